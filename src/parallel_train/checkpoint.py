@@ -1,0 +1,199 @@
+"""Atomic, verifiable, code-free checkpoints.
+
+Layout of `output_dir/checkpoints/step_0000500/`:
+    model.safetensors        full model, canonical parameter names (the unwrapped, unsplit model's)
+    optimizer.pt             optimizer state_dict; loaded with torch.load(weights_only=True)
+    rng_rank{R}.safetensors  every rank's torch CPU (and CUDA) generator state, for exact dropout on resume
+    trainer_state.json       step, LR scheduler, best val loss, tracker run id, world size
+    config.yaml, vocab.json  the resolved config and the vocabulary of the run
+    manifest.json            size and sha256 of every file above; written last
+
+A checkpoint is written into `.tmp-step_*`, flushed, then renamed: a kill at any moment leaves either the
+old set of checkpoints or the new one, never a half-written `step_*`. Loading never unpickles code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from parallel_train.errors import UserError
+
+PREFIX = "step_"
+MANIFEST = "manifest.json"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"{PREFIX}{step:07d}"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(folder: Path) -> None:
+    files = sorted(p for p in folder.iterdir() if p.is_file() and p.name != MANIFEST)
+    manifest = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    for p in files:
+        _fsync(p)
+    (folder / MANIFEST).write_text(json.dumps({"files": manifest}, indent=1))
+    _fsync(folder / MANIFEST)
+    _fsync(folder)
+
+
+def verify(folder: Path) -> str | None:
+    """None if the checkpoint is complete and intact, else what is wrong with it."""
+    manifest_path = folder / MANIFEST
+    if not manifest_path.is_file():
+        return "no manifest.json (incomplete or not a checkpoint)"
+    try:
+        files = json.loads(manifest_path.read_text())["files"]
+    except (ValueError, KeyError, TypeError):
+        return "manifest.json is unreadable"
+    for name, meta in files.items():
+        p = folder / name
+        if not p.is_file():
+            return f"{name} is missing"
+        if p.stat().st_size != meta["size"]:
+            return f"{name} has {p.stat().st_size} bytes, manifest says {meta['size']}"
+        if _sha256(p) != meta["sha256"]:
+            return f"{name} does not match its sha256 in the manifest"
+    for needed in ("model.safetensors", "trainer_state.json"):
+        if needed not in files:
+            return f"{needed} is not in the manifest"
+    return None
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Finished checkpoints (renamed from .tmp-*), oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX))
+
+
+def find_latest_valid(root: Path, warn) -> Path | None:
+    """Newest checkpoint that passes its manifest; each one skipped is named in a warning."""
+    for folder in reversed(list_checkpoints(root)):
+        problem = verify(folder)
+        if problem is None:
+            return folder
+        warn(f"skipping checkpoint {folder}: {problem}")
+    return None
+
+
+def resolve_resume(resume: str, root: Path, warn) -> Path | None:
+    """`auto` -> newest valid checkpoint or None; `none` -> None; a path -> that checkpoint, verified."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        return find_latest_valid(root, warn)
+    path = Path(resume)
+    if not path.exists():
+        raise UserError(f"resume: no such checkpoint {resume!r}; use resume=auto, resume=none or a checkpoints/step_* folder")
+    if path.is_dir() and not (path / MANIFEST).exists() and list_checkpoints(path / "checkpoints"):
+        path = find_latest_valid(path / "checkpoints", warn) or path  # a run folder: take its newest
+    problem = verify(path) if path.is_dir() else "not a folder"
+    if problem:
+        raise UserError(f"resume: {resume!r} is not a valid checkpoint ({problem})")
+    return path
+
+
+# ---------------------------------------------------------------- save
+
+
+def save(accelerator, root: Path, step: int, model, optimizer, scheduler, state: dict[str, Any],
+         config_yaml: str, vocab_json: str | None, keep: int, protect: Path | None = None) -> Path:
+    """Write checkpoint `step` atomically. A collective: every rank must call it."""
+    final = root / checkpoint_name(step)
+    tmp = root / f".tmp-{checkpoint_name(step)}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+
+    # Every rank: its own generator states (dropout must continue exactly where it stopped).
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng.update({f"cuda_{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    save_file(rng, str(tmp / f"rng_rank{accelerator.process_index}.safetensors"))
+
+    # Gathering the full state dict is itself a collective under FSDP/DeepSpeed: call it on all ranks.
+    model_state = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        save_file({k: v.detach().contiguous().cpu() for k, v in model_state.items()}, str(tmp / "model.safetensors"))
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        full_state = dict(state, step=step, scheduler=scheduler.state_dict(), world_size=accelerator.num_processes)
+        (tmp / "trainer_state.json").write_text(json.dumps(full_state, indent=1))
+        (tmp / "config.yaml").write_text(config_yaml)
+        if vocab_json is not None:
+            (tmp / "vocab.json").write_text(vocab_json)
+    accelerator.wait_for_everyone()
+
+    if accelerator.is_main_process:
+        write_manifest(tmp)
+        if final.exists():  # the same step saved again (e.g. a resumed run that ends where it started)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync(root)
+        prune(root, keep, protect=protect)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def prune(root: Path, keep: int, protect: Path | None = None) -> None:
+    """Keep the newest `keep` checkpoints (and `protect`, the one this run resumed from)."""
+    for old in list_checkpoints(root)[:-keep]:
+        if protect is not None and old.resolve() == protect.resolve():
+            continue
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob(".tmp-*"):  # left by a run killed mid-save
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- load
+
+
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path))
+
+
+def load(folder: Path, accelerator, model, optimizer, scheduler) -> dict[str, Any]:
+    """Restore model, optimizer, scheduler and this rank's RNG from `folder`; return the trainer state."""
+    state = json.loads((folder / "trainer_state.json").read_text())
+    accelerator.unwrap_model(model).load_state_dict(load_tensors(folder / "model.safetensors"))
+    if (folder / "optimizer.pt").exists():
+        try:
+            opt_state = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True)
+        except Exception as e:  # UnpicklingError and friends: the file holds more than tensors
+            raise UserError(f"resume: {folder / 'optimizer.pt'} holds objects other than plain tensors and numbers; "
+                            f"refusing to unpickle it ({type(e).__name__})") from None
+        optimizer.load_state_dict(opt_state)
+    scheduler.load_state_dict(state["scheduler"])
+    rng_file = folder / f"rng_rank{accelerator.process_index}.safetensors"
+    if state.get("world_size") == accelerator.num_processes and rng_file.exists():
+        rng = load_tensors(rng_file)
+        torch.set_rng_state(rng["cpu"])
+        if torch.cuda.is_available():
+            cuda = [rng[k] for k in sorted(k for k in rng if k.startswith("cuda_"))]
+            if len(cuda) == torch.cuda.device_count():
+                torch.cuda.set_rng_state_all(cuda)
+    return state

@@ -1,0 +1,18 @@
+"""`train.py`'s command line: --help, config loading, then the training run."""
+
+from __future__ import annotations
+
+import sys
+
+from parallel_train.config import help_text, load_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        print(help_text())
+        return 0
+    cfg, config_path = load_config(argv)
+    from parallel_train.trainer import run  # after validation: bad input fails before torch loads
+
+    return run(cfg, config_path)

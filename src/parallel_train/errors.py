@@ -1,0 +1,36 @@
+"""User-facing errors: one line, exit code 2, no traceback.
+
+Anything a user can fix (a config key, a path, a launch flag) raises `UserError`. `train.py` and the
+scripts catch it at the top and print `error: <message>` once, from the first process only.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+EXIT_USER_ERROR = 2
+
+
+class UserError(Exception):
+    """A problem with the user's input. The message names what is wrong and how to fix it."""
+
+
+def is_first_process() -> bool:
+    # Read the launcher's environment, not torch.distributed: errors can happen before the process
+    # group exists, and every rank of a multi-process launch hits the same config error.
+    return os.environ.get("RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+def run_cli(main: Callable[[], int | None]) -> None:
+    """Run `main`, turning a UserError into one line on stderr and exit code 2."""
+    try:
+        code = main()
+    except UserError as e:
+        if is_first_process():
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_USER_ERROR)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    sys.exit(code or 0)

@@ -1,0 +1,117 @@
+"""Build the Accelerator for whatever launched us, and refuse launches that would silently go wrong.
+
+The same train.py runs under `python`, `accelerate launch` (any config) and `torchrun`. This module:
+- falls back to CPU processes (gloo) when no GPU exists, with one notice, so GPU configs rehearse on a laptop;
+- refuses fp16 on CPU (accelerate would silently train in fp32);
+- checks that the process group really has the size the launcher was asked for (accelerate's `--cpu`
+  and MULTI_CPU-without-mpirun paths start ONE process without a word);
+- says in one line when FSDP or DeepSpeed cannot run here and what runs instead.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from parallel_train.config import Config
+from parallel_train.errors import UserError
+
+TRUE = ("1", "true", "yes")
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").lower() in TRUE
+
+
+def requested_precision(cfg: Config) -> str:
+    if cfg.train.mixed_precision != "auto":
+        return cfg.train.mixed_precision
+    return os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+
+
+def _parent_accelerate_num_processes() -> int | None:
+    """How many processes the parent `accelerate launch` was asked for, if it is our parent."""
+    try:
+        raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+    except OSError:
+        return None
+    argv = [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+    if "launch" not in argv or not any(Path(a).name.startswith("accelerate") for a in argv[:3]):
+        return None
+    args = argv[argv.index("launch") + 1 :]
+    config_file = None
+    for i, a in enumerate(args):
+        for flag in ("--num_processes", "--num-processes"):
+            if a == flag and i + 1 < len(args):
+                return int(args[i + 1])
+            if a.startswith(flag + "="):
+                return int(a.split("=", 1)[1])
+        if a in ("--config_file", "--config-file") and i + 1 < len(args):
+            config_file = args[i + 1]
+        if a.startswith(("--config_file=", "--config-file=")):
+            config_file = a.split("=", 1)[1]
+        if not a.startswith("-") and a.endswith(".py"):
+            break
+    if config_file is None:
+        from accelerate.commands.config import default_config_file
+
+        config_file = default_config_file
+    try:
+        import yaml
+
+        return int(yaml.safe_load(Path(config_file).read_text()).get("num_processes", 1))
+    except Exception:
+        return None
+
+
+def make_accelerator(cfg: Config, notice) -> "Accelerator":  # noqa: F821 (lazy import below)
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    cuda = torch.cuda.is_available()
+    precision = requested_precision(cfg)
+    if precision == "fp16" and not cuda:
+        raise UserError("mixed precision fp16 needs a GPU (on CPU accelerate would silently train in fp32); use bf16 or no")
+    if not cuda and not _env_true("ACCELERATE_USE_CPU") and (int(os.environ.get("WORLD_SIZE", "1")) > 1 or "ACCELERATE_DYNAMO_BACKEND" in os.environ):
+        notice("no CUDA GPU found: running these processes on CPU (gloo backend) instead")
+    for flag, what in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")):
+        if _env_true(flag) and not cuda:
+            notice(f"{what} needs GPUs; on CPU accelerate falls back to plain DDP, so this run is DDP, not {what}")
+
+    log_with = None if cfg.tracker == "none" else cfg.tracker
+    accelerator = Accelerator(
+        cpu=not cuda,
+        mixed_precision=precision,
+        gradient_accumulation_steps=cfg.train.gradient_accumulation_steps,
+        log_with=log_with,
+        project_dir=cfg.output_dir,
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.parallel.timeout_s))],
+    )
+    check_world_size(accelerator)
+    return accelerator
+
+
+def check_world_size(accelerator) -> None:
+    """Fail, rather than train on fewer processes than the launcher was asked for."""
+    expected = int(os.environ.get("WORLD_SIZE", "0")) or _parent_accelerate_num_processes() or 1
+    if accelerator.num_processes != expected:
+        raise UserError(
+            f"the launcher was asked for {expected} processes but {accelerator.num_processes} formed the process group. "
+            "On CPU, `accelerate launch --cpu --num_processes N` and MULTI_CPU configs without mpirun start one process: "
+            "use `accelerate launch --config_file accelerate_configs/multi_cpu.yaml train.py` or `torchrun --nproc-per-node N train.py`"
+        )
+
+
+def topology(accelerator) -> str:
+    dist = accelerator.distributed_type.value
+    backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else "none"
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", os.environ.get("NUM_MACHINES", "0")) or 0)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+    nodes = nodes or max(1, accelerator.num_processes // max(1, local))
+    kind = "single process" if accelerator.num_processes == 1 else f"DDP over {accelerator.num_processes} processes"
+    return f"{kind} ({dist}, backend {backend}, {nodes} node{'s' if nodes > 1 else ''}, host {socket.gethostname()})"
+

@@ -1,0 +1,28 @@
+"""The classic two-layer seed example: Linear(10, 50) -> ReLU -> Linear(50, 10).
+
+Written as named parts (fc1, act, fc2) so the pipeline splitter can cut it like any other model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from parallel_train.config import ModelConfig
+
+
+class SeedMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, vocab_size: int = 0):
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.in_features, cfg.hidden)
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(cfg.hidden, cfg.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for part in (self.fc1, self.act, self.fc2):
+            if part is not None:  # a pipeline stage keeps only some parts
+                x = part(x)
+        return x
+
+    def flops_per_token(self) -> int:
+        return 6 * sum(p.numel() for p in self.parameters())

@@ -1,0 +1,87 @@
+"""Metrics: `metrics.jsonl` plus the experiment tracker (wandb, tensorboard or none).
+
+Only the main process writes files and talks to trackers; every record goes to both, so the tracker
+shows exactly what `metrics.jsonl` holds.
+"""
+
+from __future__ import annotations
+
+import json
+import netrc
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+
+def wandb_has_credentials() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def prepare_tracker_env(tracker: str, output_dir: Path, notice) -> str:
+    """Set wandb's environment before it is imported. Returns a word for the banner."""
+    if tracker != "wandb":
+        return tracker
+    os.environ.setdefault("WANDB_DIR", str(output_dir))
+    os.environ.setdefault("WANDB_CACHE_DIR", str(output_dir / "wandb" / "cache"))
+    os.environ.setdefault("WANDB_SILENT", "true")
+    if "WANDB_MODE" not in os.environ and not wandb_has_credentials():
+        # No key: never prompt, never touch the network; `wandb sync` uploads the run later.
+        os.environ["WANDB_MODE"] = "offline"
+        notice("wandb: no credentials found (WANDB_API_KEY or `wandb login`), logging offline")
+    return f"wandb ({os.environ.get('WANDB_MODE', 'online')})"
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def init_trackers(accelerator, tracker: str, config: dict[str, Any], output_dir: Path, run_id: str) -> None:
+    """Start the tracker run on the main process (accelerate does nothing on the others)."""
+    if tracker == "none":
+        return
+    init_kwargs = {}
+    if tracker == "wandb":
+        # Same id + resume="allow": a resumed training run continues the same wandb run.
+        init_kwargs["wandb"] = {"id": run_id, "resume": "allow", "name": output_dir.name, "dir": str(output_dir)}
+    accelerator.init_trackers(project_name=os.environ.get("WANDB_PROJECT", "parallel-train"), config=config, init_kwargs=init_kwargs)
+
+
+def finish_trackers(accelerator, tracker: str, output_dir: Path, say) -> None:
+    """Close the tracker run and the process group (accelerator.end_training does both)."""
+    accelerator.end_training()
+    if tracker == "wandb" and accelerator.is_main_process and os.environ.get("WANDB_MODE") == "offline":
+        runs = sorted((output_dir / "wandb").glob("offline-run-*"), key=lambda p: p.stat().st_mtime)
+        if runs:
+            say(f"wandb: offline run saved; upload it with: wandb sync {runs[-1]}")
+
+
+class MetricsLog:
+    """Appends one JSON object per line to metrics.jsonl and forwards it to the tracker."""
+
+    def __init__(self, path: Path, accelerator, tracker: str):
+        self.path, self.accelerator, self.tracker = path, accelerator, tracker
+
+    def truncate_after(self, step: int) -> None:
+        """On resume: drop records of steps after the checkpoint (the killed run's lost work)."""
+        if not self.accelerator.is_main_process or not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.path)
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.accelerator.is_main_process:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tracker != "none":
+            values = {k: v for k, v in record.items() if k not in ("step", "kind") and isinstance(v, (int, float))}
+            prefix = "val/" if record.get("kind") == "eval" else "train/"
+            self.accelerator.log({prefix + k: v for k, v in values.items()}, step=record["step"])

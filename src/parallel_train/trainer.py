@@ -1,0 +1,228 @@
+"""The training loop, top to bottom: set up, train, evaluate, checkpoint, write the results.
+
+Parallelism comes from the Accelerator (DDP over however many processes the launcher started) and from
+the data sharding in data.py; nothing here depends on the topology.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from tqdm.auto import tqdm
+
+from parallel_train import checkpoint
+from parallel_train.config import Config, save_config
+from parallel_train.data import CharVocab, build_datasets, train_loader, val_loader
+from parallel_train.errors import UserError
+from parallel_train.launch import make_accelerator, topology
+from parallel_train.losses import loss_fn, per_sample_loss
+from parallel_train.models import build_model
+from parallel_train.optim import build_optimizer, build_scheduler
+from parallel_train.tracking import MetricsLog, finish_trackers, init_trackers, new_run_id, prepare_tracker_env
+
+RUN_FILES = ("metrics.jsonl", "summary.json", "model.safetensors")
+
+
+def say(message: str) -> None:
+    """One line from the first process (before the Accelerator exists too)."""
+    from parallel_train.errors import is_first_process
+
+    if is_first_process():
+        tqdm.write(message)
+
+
+def check_output_dir(cfg: Config) -> Path:
+    """Refuse an output_dir that is a file, not writable, or holds a run we would overwrite."""
+    out = Path(cfg.output_dir)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"output_dir: {cfg.output_dir!r} is a file; give a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{time.monotonic_ns()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"output_dir: {cfg.output_dir!r} is not writable ({e.strerror})") from None
+    if cfg.resume == "none" and any((out / f).exists() for f in RUN_FILES):
+        raise UserError(f"output_dir: {cfg.output_dir!r} already holds a run; continue it with resume=auto or choose a new output_dir")
+    return out
+
+
+@torch.no_grad()
+def evaluate(model, loader, accelerator) -> float:
+    """Mean validation loss over the fixed eval set, each sample counted once across ranks."""
+    model.eval()
+    losses = []
+    for x, y in loader:
+        losses.append(accelerator.gather_for_metrics(per_sample_loss(model(x), y)))
+    model.train()
+    return torch.cat(losses).mean().item()
+
+
+def peak_memory_mb(device: torch.device) -> dict[str, float]:
+    if device.type == "cuda":
+        return {"peak_memory_mb": torch.cuda.max_memory_allocated(device) / 2**20,
+                "peak_memory_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20}
+    return {"peak_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # host RSS (KiB on Linux)
+
+
+def run(cfg: Config, config_path: str | None) -> int:
+    t_start = time.perf_counter()
+    out = check_output_dir(cfg)
+    ckpt_root = out / "checkpoints"
+    resume_from = checkpoint.resolve_resume(cfg.resume, ckpt_root, warn=lambda m: say(f"warning: {m}"))
+    tracker_word = prepare_tracker_env(cfg.tracker, out, say)
+
+    accelerator = make_accelerator(cfg, say)
+    world, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
+    A = cfg.train.gradient_accumulation_steps
+    say(f"[parallel_train] {topology(accelerator)} | world size {world} | device {device} | "
+        f"precision {accelerator.mixed_precision} | config {config_path or 'defaults'} | output_dir {out} | tracker {tracker_word}")
+    say(f"[parallel_train] global batch {cfg.train.batch_size} x {world} processes x {A} accumulation = "
+        f"{cfg.train.batch_size * world * A} samples per optimizer step")
+
+    # ---- data (the vocab of a resumed run is reused, so token ids cannot shift)
+    vocab = CharVocab.load(resume_from / "vocab.json") if resume_from and (resume_from / "vocab.json").exists() else None
+    data = build_datasets(cfg, vocab)
+
+    # ---- model, optimizer, schedule. Same seed on every rank: identical initial weights.
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg.model, data.vocab_size)
+    optimizer = build_optimizer(model, cfg.train, fused=device.type == "cuda")
+    scheduler = build_scheduler(optimizer, cfg.train)
+    model, optimizer, val_dl = accelerator.prepare(model, optimizer, val_loader(data, cfg))
+    torch.manual_seed(cfg.train.seed + 1 + rank)  # per-rank dropout masks
+
+    state = {"best_val_loss": None, "final_val_loss": None, "final_train_loss": None, "run_id": new_run_id()}
+    start_step = 0
+    if resume_from is not None:
+        state.update(checkpoint.load(resume_from, accelerator, model, optimizer, scheduler))
+        start_step = state.pop("step")
+        say(f"[parallel_train] resumed from {resume_from} at step {start_step}")
+        if state.get("world_size") != world:
+            say(f"notice: the checkpoint was written by {state.get('world_size')} processes, this run has {world}: "
+                "model and optimizer state carry over; per-rank dropout RNG restarts from the seed")
+
+    config_yaml = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    vocab_json = json.dumps({"kind": "char", "chars": data.vocab.chars}, ensure_ascii=False) if data.vocab else None
+    if accelerator.is_main_process:
+        save_config(cfg, out / "config.yaml")
+        if data.vocab is not None:
+            data.vocab.save(out / "vocab.json")
+    metrics = MetricsLog(out / "metrics.jsonl", accelerator, cfg.tracker)
+    metrics.truncate_after(start_step)
+    init_trackers(accelerator, cfg.tracker, cfg.to_dict(), out, state["run_id"])
+
+    batches = iter(train_loader(data, cfg, world, rank, start_step, pin_memory=device.type == "cuda"))
+    unwrapped = accelerator.unwrap_model(model)
+    flops_per_token = unwrapped.flops_per_token() if hasattr(unwrapped, "flops_per_token") else None
+
+    def save_checkpoint(step: int) -> None:
+        checkpoint.save(accelerator, ckpt_root, step, model, optimizer, scheduler, state, config_yaml, vocab_json,
+                        keep=cfg.checkpoint.keep, protect=resume_from)
+
+    def due(step: int, interval: int) -> bool:
+        return step == cfg.train.max_steps or (interval > 0 and step % interval == 0)
+
+    # ---- train
+    pbar = tqdm(total=cfg.train.max_steps, initial=start_step, disable=None if accelerator.is_main_process else True,
+                dynamic_ncols=True, desc="train")
+    first_step_s = None
+    t_log, paused, steady_tokens, steady_time, tokens_since = time.perf_counter(), 0.0, 0, 0.0, 0
+    data_time = 0.0
+    model.train()
+    for step in range(start_step, cfg.train.max_steps):
+        loss_sum = torch.zeros((), device=device)
+        for _ in range(A):
+            t_data = time.perf_counter()
+            x, y = next(batches)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            data_time += time.perf_counter() - t_data
+            # accumulate(): no DDP all-reduce until the last micro-step; backward() divides by A.
+            with accelerator.accumulate(model):
+                loss = loss_fn(model(x), y)
+                accelerator.backward(loss)
+            loss_sum += loss.detach()
+        if cfg.train.grad_clip > 0:
+            accelerator.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        lr = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        done = step + 1
+        tokens_since += y.numel() * A * world
+        pbar.update(1)
+        if first_step_s is None:
+            first_step_s = time.perf_counter() - t_start
+
+        if due(done, cfg.train.log_interval):
+            # The only host-device sync of the step, and only on log steps: mean over ranks and micro-batches.
+            train_loss = accelerator.reduce(loss_sum / A, reduction="mean").item()
+            state["final_train_loss"] = train_loss
+            now = time.perf_counter()
+            elapsed = max(now - t_log - paused, 1e-9)
+            tok_s = tokens_since / elapsed
+            if done > start_step + cfg.train.log_interval:  # the first interval holds warm-up; leave it out
+                steady_tokens, steady_time = steady_tokens + tokens_since, steady_time + elapsed
+            steps_in_interval = min(cfg.train.log_interval, done - start_step) or 1
+            record = {"kind": "train", "step": done, "loss": train_loss, "lr": lr, "tokens_per_sec": tok_s,
+                      "step_time_s": elapsed / steps_in_interval, "data_time_frac": min(1.0, data_time / elapsed),
+                      "mfu": None}
+            if flops_per_token and device.type == "cuda":
+                from parallel_train.perf import peak_flops
+
+                peak = peak_flops(device, accelerator.mixed_precision)
+                record["mfu"] = flops_per_token * tok_s / (peak * world) if peak else None
+            metrics.log(record)
+            pbar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{tok_s:,.0f}")
+            if not math.isfinite(train_loss):
+                raise UserError(f"the train loss is {train_loss} at step {done}; lower train.learning_rate or check the data")
+            t_log, paused, tokens_since, data_time = now, 0.0, 0, 0.0
+
+        t_pause = time.perf_counter()
+        if due(done, cfg.eval.interval):
+            val_loss = evaluate(model, val_dl, accelerator)
+            state["final_val_loss"] = val_loss
+            if state["best_val_loss"] is None or val_loss < state["best_val_loss"]:
+                state["best_val_loss"] = val_loss
+            metrics.log({"kind": "eval", "step": done, "val_loss": val_loss})
+            say(f"step {done}: train loss {state['final_train_loss']:.4f}, val loss {val_loss:.4f}")
+        if due(done, cfg.checkpoint.interval):
+            save_checkpoint(done)
+        paused += time.perf_counter() - t_pause
+    pbar.close()
+
+    # ---- results
+    if start_step >= cfg.train.max_steps:
+        say(f"[parallel_train] the checkpoint is already at train.max_steps={cfg.train.max_steps}; nothing to train")
+    model_state = accelerator.get_state_dict(model)  # a collective under FSDP/DeepSpeed
+    if accelerator.is_main_process:
+        from safetensors.torch import save_file
+
+        save_file({k: v.detach().contiguous().cpu() for k, v in model_state.items()}, str(out / "model.safetensors"))
+        summary = {
+            "steps": cfg.train.max_steps,
+            "final_train_loss": state["final_train_loss"],
+            "final_val_loss": state["final_val_loss"],
+            "best_val_loss": state["best_val_loss"],
+            "world_size": world,
+            "distributed_type": accelerator.distributed_type.value,
+            "mixed_precision": accelerator.mixed_precision,
+            "tokens_per_sec": (steady_tokens / steady_time) if steady_time else None,
+            "wall_time_s": time.perf_counter() - t_start,
+            "time_to_first_step_s": first_step_s,
+            "resumed_from": str(resume_from) if resume_from else None,
+            **peak_memory_mb(device),
+        }
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        say(f"[parallel_train] done: {cfg.train.max_steps} steps, val loss {state['final_val_loss']}, "
+            f"{summary['wall_time_s']:.1f} s; outputs in {out}")
+    accelerator.wait_for_everyone()
+    finish_trackers(accelerator, cfg.tracker, out, say)  # also destroys the process group
+    return 0
