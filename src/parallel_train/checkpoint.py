@@ -2,7 +2,8 @@
 
 Layout of `output_dir/checkpoints/step_0000500/`:
     model.safetensors        full model, canonical parameter names (the unwrapped, unsplit model's)
-    optimizer.pt             optimizer state_dict; loaded with torch.load(weights_only=True)
+    optimizer.safetensors    optimizer state keyed by parameter name (e.g. `blocks.0.attn.qkv.weight/exp_avg`)
+    optimizer.json           optimizer hyperparameters per param group, and non-tensor state
     rng_rank{R}.safetensors  every rank's torch CPU (and CUDA) generator state, for exact dropout on resume
     trainer_state.json       step, LR scheduler, best val loss, tracker run id, world size
     config.yaml, vocab.json  the resolved config and the vocabulary of the run
@@ -117,6 +118,55 @@ def resolve_resume(resume: str, root: Path, warn) -> Path | None:
     return path
 
 
+# ---------------------------------------------------------------- optimizer state by parameter name
+
+
+def optimizer_state_by_name(model, optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The optimizer's state keyed by parameter names instead of positions.
+
+    Positions depend on how the model was cut (a pipeline stage holds a few parameters); names do not,
+    so a checkpoint from any topology loads into any other.
+    """
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    sd = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, Any] = {}
+    for idx, param_state in sd["state"].items():
+        name = names[id(params[idx])]
+        for key, value in param_state.items():
+            if torch.is_tensor(value):
+                tensors[f"{name}/{key}"] = value.detach().contiguous().cpu()
+            else:
+                scalars[f"{name}/{key}"] = value
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(params[i])] for i in g["params"]]}
+              for g in sd["param_groups"]]
+    return tensors, {"param_groups": groups, "scalars": scalars}
+
+
+def load_optimizer_by_name(model, optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    """Inverse of optimizer_state_by_name, for whichever parameters this optimizer holds."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    sd = optimizer.state_dict()
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    state: dict[int, dict[str, Any]] = {}
+    for idx, p in enumerate(params):
+        prefix = names[id(p)] + "/"
+        entry = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        entry.update({k[len(prefix):]: v for k, v in meta["scalars"].items() if k.startswith(prefix)})
+        if entry:
+            state[idx] = entry
+    saved_groups = meta["param_groups"]
+    if len(saved_groups) != len(sd["param_groups"]):
+        raise UserError(f"resume: the checkpoint's optimizer has {len(saved_groups)} param groups, this one {len(sd['param_groups'])}; "
+                        "was it written with another train.optimizer?")
+    groups = []
+    for saved, current in zip(saved_groups, sd["param_groups"]):
+        hyper = {k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k != "params"}
+        groups.append({**current, **hyper, "params": current["params"]})
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
 # ---------------------------------------------------------------- save
 
 
@@ -140,7 +190,9 @@ def save(accelerator, root: Path, step: int, model, optimizer, scheduler, state:
     model_state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         save_file({k: v.detach().contiguous().cpu() for k, v in model_state.items()}, str(tmp / "model.safetensors"))
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        tensors, meta = optimizer_state_by_name(accelerator.unwrap_model(model), optimizer)
+        save_file(tensors, str(tmp / "optimizer.safetensors"))
+        (tmp / "optimizer.json").write_text(json.dumps(meta, indent=1))
         full_state = dict(state, step=step, scheduler=scheduler.state_dict(), world_size=accelerator.num_processes)
         (tmp / "trainer_state.json").write_text(json.dumps(full_state, indent=1))
         (tmp / "config.yaml").write_text(config_yaml)
@@ -180,13 +232,8 @@ def load(folder: Path, accelerator, model, optimizer, scheduler) -> dict[str, An
     """Restore model, optimizer, scheduler and this rank's RNG from `folder`; return the trainer state."""
     state = json.loads((folder / "trainer_state.json").read_text())
     accelerator.unwrap_model(model).load_state_dict(load_tensors(folder / "model.safetensors"))
-    if (folder / "optimizer.pt").exists():
-        try:
-            opt_state = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True)
-        except Exception as e:  # UnpicklingError and friends: the file holds more than tensors
-            raise UserError(f"resume: {folder / 'optimizer.pt'} holds objects other than plain tensors and numbers; "
-                            f"refusing to unpickle it ({type(e).__name__})") from None
-        optimizer.load_state_dict(opt_state)
+    load_optimizer_by_name(accelerator.unwrap_model(model), optimizer, load_tensors(folder / "optimizer.safetensors"),
+                           json.loads((folder / "optimizer.json").read_text()))
     scheduler.load_state_dict(state["scheduler"])
     rng_file = folder / f"rng_rank{accelerator.process_index}.safetensors"
     if state.get("world_size") == accelerator.num_processes and rng_file.exists():

@@ -225,8 +225,11 @@ def train_loader(data: Data, cfg: Config, world_size: int, rank: int, start_step
     """This rank's batches from optimizer step `start_step` on (never ends; the loop counts steps)."""
     sampler = GlobalBatchSampler(len(data.train_set), cfg.train.batch_size, world_size, rank, cfg.train.seed,
                                  start_micro_step=start_step * cfg.train.gradient_accumulation_steps)
+    # Its own generator: creating the iterator must not draw from the global RNG (dropout's), or a
+    # resumed run would drift from an uninterrupted one.
     return DataLoader(data.train_set, batch_sampler=sampler, collate_fn=keep_batch, num_workers=cfg.data.num_workers,
-                      pin_memory=pin_memory, persistent_workers=cfg.data.num_workers > 0)
+                      pin_memory=pin_memory, persistent_workers=cfg.data.num_workers > 0,
+                      generator=torch.Generator().manual_seed(cfg.train.seed))
 
 
 def val_loader(data: Data, cfg: Config) -> DataLoader:
@@ -240,4 +243,5 @@ def val_loader(data: Data, cfg: Config) -> DataLoader:
     n = len(data.val_set)
     indices = torch.randperm(n, generator=g)[:n_eval] if n >= n_eval else torch.randint(0, n, (n_eval,), generator=g)
     subset = torch.utils.data.Subset(data.val_set, indices.tolist())
-    return DataLoader(subset, batch_size=cfg.train.batch_size, shuffle=False, collate_fn=keep_batch)
+    return DataLoader(subset, batch_size=cfg.train.batch_size, shuffle=False, collate_fn=keep_batch,
+                      generator=torch.Generator().manual_seed(cfg.train.seed))

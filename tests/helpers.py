@@ -1,0 +1,95 @@
+"""Run real launches from tests: own process group, hard timeout that kills every child."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+BIN = Path(sys.executable).parent
+ACCELERATE = str(BIN / "accelerate")
+TORCHRUN = str(BIN / "torchrun")
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def launch_env(tmp_path: Path | None = None, **extra: str) -> dict[str, str]:
+    """Environment for a launched run: offline, quiet, temp files under tmp_path, one thread per process."""
+    env = dict(os.environ)
+    env.update({"WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    env.pop("WANDB_API_KEY", None)
+    if tmp_path is not None:
+        env["TMPDIR"] = str(tmp_path)  # torchelastic and inductor leave files under TMPDIR
+    env.update(extra)
+    return env
+
+
+def run(cmd: list[str], timeout: float = 300, env: dict[str, str] | None = None, cwd: Path = REPO) -> Result:
+    """Run cmd in its own session; on timeout kill the whole process group and fail loudly."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env or launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-3000:]}") from None
+    return Result(proc.returncode, out, err)
+
+
+def check(result: Result) -> Result:
+    assert result.returncode == 0, f"exit {result.returncode}\n--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-4000:]}"
+    return result
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_cmd(*overrides: str) -> list[str]:
+    return [PYTHON, "train.py", *overrides]
+
+
+def accelerate_cmd(config: str, *overrides: str, launch_args: tuple[str, ...] = ()) -> list[str]:
+    return [ACCELERATE, "launch", "--config_file", f"accelerate_configs/{config}.yaml", *launch_args, "train.py", *overrides]
+
+
+def torchrun_cmd(nproc: int, *overrides: str, launch_args: tuple[str, ...] = ()) -> list[str]:
+    return [TORCHRUN, "--nproc-per-node", str(nproc), "--master-port", str(free_port()), *launch_args, "train.py", *overrides]
+
+
+# Tiny, fast settings: a 2-layer 32-wide GPT, a few steps, few eval batches.
+TINY = ("model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16", "train.batch_size=4",
+        "train.max_steps=6", "train.warmup_steps=2", "train.lr_decay_steps=6", "train.log_interval=1",
+        "eval.interval=3", "eval.iters=4", "checkpoint.interval=3", "tracker=none")
+
+
+def read_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def train_losses(out: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(out) if r.get("kind") == "train"}
+
+
+def summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
