@@ -161,7 +161,7 @@ def load_optimizer_by_name(model, optimizer, tensors: dict[str, torch.Tensor], m
         raise UserError(f"resume: the checkpoint's optimizer has {len(saved_groups)} param groups, this one {len(sd['param_groups'])}; "
                         "was it written with another train.optimizer?")
     groups = []
-    for saved, current in zip(saved_groups, sd["param_groups"]):
+    for saved, current in zip(saved_groups, sd["param_groups"], strict=True):
         hyper = {k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k != "params"}
         groups.append({**current, **hyper, "params": current["params"]})
     optimizer.load_state_dict({"state": state, "param_groups": groups})
@@ -170,9 +170,10 @@ def load_optimizer_by_name(model, optimizer, tensors: dict[str, torch.Tensor], m
 # ---------------------------------------------------------------- save
 
 
-def save(accelerator, root: Path, step: int, model, optimizer, scheduler, state: dict[str, Any],
-         config_yaml: str, vocab_json: str | None, keep: int, protect: Path | None = None) -> Path:
+def save(engine, root: Path, step: int, scheduler, state: dict[str, Any], config_yaml: str, vocab_json: str | None,
+         keep: int, protect: Path | None = None) -> Path:
     """Write checkpoint `step` atomically. A collective: every rank must call it."""
+    accelerator = engine.accelerator
     final = root / checkpoint_name(step)
     tmp = root / f".tmp-{checkpoint_name(step)}"
     if accelerator.is_main_process:
@@ -186,13 +187,13 @@ def save(accelerator, root: Path, step: int, model, optimizer, scheduler, state:
         rng.update({f"cuda_{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
     save_file(rng, str(tmp / f"rng_rank{accelerator.process_index}.safetensors"))
 
-    # Gathering the full state dict is itself a collective under FSDP/DeepSpeed: call it on all ranks.
-    model_state = accelerator.get_state_dict(model)
+    # Collectives (the state may be sharded or split over ranks): every rank calls them.
+    model_state = engine.full_state_dict()
+    opt_tensors, opt_meta = engine.optimizer_state()
     if accelerator.is_main_process:
-        save_file({k: v.detach().contiguous().cpu() for k, v in model_state.items()}, str(tmp / "model.safetensors"))
-        tensors, meta = optimizer_state_by_name(accelerator.unwrap_model(model), optimizer)
-        save_file(tensors, str(tmp / "optimizer.safetensors"))
-        (tmp / "optimizer.json").write_text(json.dumps(meta, indent=1))
+        save_file(model_state, str(tmp / "model.safetensors"))
+        save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+        (tmp / "optimizer.json").write_text(json.dumps(opt_meta, indent=1))
         full_state = dict(state, step=step, scheduler=scheduler.state_dict(), world_size=accelerator.num_processes)
         (tmp / "trainer_state.json").write_text(json.dumps(full_state, indent=1))
         (tmp / "config.yaml").write_text(config_yaml)
@@ -228,12 +229,12 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path))
 
 
-def load(folder: Path, accelerator, model, optimizer, scheduler) -> dict[str, Any]:
+def load(folder: Path, engine, scheduler) -> dict[str, Any]:
     """Restore model, optimizer, scheduler and this rank's RNG from `folder`; return the trainer state."""
+    accelerator = engine.accelerator
     state = json.loads((folder / "trainer_state.json").read_text())
-    accelerator.unwrap_model(model).load_state_dict(load_tensors(folder / "model.safetensors"))
-    load_optimizer_by_name(accelerator.unwrap_model(model), optimizer, load_tensors(folder / "optimizer.safetensors"),
-                           json.loads((folder / "optimizer.json").read_text()))
+    engine.load(load_tensors(folder / "model.safetensors"), load_tensors(folder / "optimizer.safetensors"),
+                json.loads((folder / "optimizer.json").read_text()))
     scheduler.load_state_dict(state["scheduler"])
     rng_file = folder / f"rng_rank{accelerator.process_index}.safetensors"
     if state.get("world_size") == accelerator.num_processes and rng_file.exists():

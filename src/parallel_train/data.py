@@ -90,8 +90,8 @@ class CharVocab:
     def decode(self, ids: list[int]) -> str:
         return "".join(self.chars[i] for i in ids)
 
-    def save(self, path: Path) -> None:
-        path.write_text(json.dumps({"kind": "char", "chars": self.chars}, ensure_ascii=False))
+    def to_json(self) -> str:
+        return json.dumps({"kind": "char", "chars": self.chars}, ensure_ascii=False)
 
     @classmethod
     def load(cls, path: Path) -> CharVocab:

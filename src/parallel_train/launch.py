@@ -68,7 +68,7 @@ def _parent_accelerate_num_processes() -> int | None:
         return None
 
 
-def make_accelerator(cfg: Config, notice) -> "Accelerator":  # noqa: F821 (lazy import below)
+def make_accelerator(cfg: Config, notice) -> Accelerator:  # noqa: F821 (lazy import below)
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 

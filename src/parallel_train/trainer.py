@@ -19,9 +19,9 @@ from tqdm.auto import tqdm
 from parallel_train import checkpoint
 from parallel_train.config import Config, save_config
 from parallel_train.data import CharVocab, build_datasets, train_loader, val_loader
+from parallel_train.engine import build_engine
 from parallel_train.errors import UserError
 from parallel_train.launch import make_accelerator, topology
-from parallel_train.losses import loss_fn, per_sample_loss
 from parallel_train.models import build_model
 from parallel_train.optim import build_optimizer, build_scheduler
 from parallel_train.tracking import MetricsLog, finish_trackers, init_trackers, new_run_id, prepare_tracker_env
@@ -54,15 +54,20 @@ def check_output_dir(cfg: Config) -> Path:
     return out
 
 
-@torch.no_grad()
-def evaluate(model, loader, accelerator) -> float:
-    """Mean validation loss over the fixed eval set, each sample counted once across ranks."""
-    model.eval()
-    losses = []
-    for x, y in loader:
-        losses.append(accelerator.gather_for_metrics(per_sample_loss(model(x), y)))
-    model.train()
-    return torch.cat(losses).mean().item()
+class TimedIterator:
+    """Wraps the batch iterator and adds up the time spent waiting for data."""
+
+    def __init__(self, iterator):
+        self.iterator, self.seconds = iterator, 0.0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        t = time.perf_counter()
+        item = next(self.iterator)
+        self.seconds += time.perf_counter() - t
+        return item
 
 
 def peak_memory_mb(device: torch.device) -> dict[str, float]:
@@ -84,8 +89,6 @@ def run(cfg: Config, config_path: str | None) -> int:
     A = cfg.train.gradient_accumulation_steps
     say(f"[parallel_train] {topology(accelerator)} | world size {world} | device {device} | "
         f"precision {accelerator.mixed_precision} | config {config_path or 'defaults'} | output_dir {out} | tracker {tracker_word}")
-    say(f"[parallel_train] global batch {cfg.train.batch_size} x {world} processes x {A} accumulation = "
-        f"{cfg.train.batch_size * world * A} samples per optimizer step")
 
     # ---- data (the vocab of a resumed run is reused, so token ids cannot shift)
     vocab = CharVocab.load(resume_from / "vocab.json") if resume_from and (resume_from / "vocab.json").exists() else None
@@ -96,13 +99,15 @@ def run(cfg: Config, config_path: str | None) -> int:
     model = build_model(cfg.model, data.vocab_size)
     optimizer = build_optimizer(model, cfg.train, fused=device.type == "cuda")
     scheduler = build_scheduler(optimizer, cfg.train)
-    model, optimizer, val_dl = accelerator.prepare(model, optimizer, val_loader(data, cfg))
+    engine = build_engine(cfg, accelerator, model, optimizer, val_loader(data, cfg))
+    say(f"[parallel_train] engine: {engine.name} | global batch {cfg.train.batch_size} x {engine.dp_size} data-parallel "
+        f"ranks x {A} accumulation = {cfg.train.batch_size * engine.dp_size * A} samples per optimizer step")
     torch.manual_seed(cfg.train.seed + 1 + rank)  # per-rank dropout masks
 
     state = {"best_val_loss": None, "final_val_loss": None, "final_train_loss": None, "run_id": new_run_id()}
     start_step = 0
     if resume_from is not None:
-        state.update(checkpoint.load(resume_from, accelerator, model, optimizer, scheduler))
+        state.update(checkpoint.load(resume_from, engine, scheduler))
         start_step = state.pop("step")
         say(f"[parallel_train] resumed from {resume_from} at step {start_step}")
         if state.get("world_size") != world:
@@ -110,21 +115,20 @@ def run(cfg: Config, config_path: str | None) -> int:
                 "model and optimizer state carry over; per-rank dropout RNG restarts from the seed")
 
     config_yaml = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-    vocab_json = json.dumps({"kind": "char", "chars": data.vocab.chars}, ensure_ascii=False) if data.vocab else None
+    vocab_json = data.vocab.to_json() if data.vocab else None
     if accelerator.is_main_process:
         save_config(cfg, out / "config.yaml")
         if data.vocab is not None:
-            data.vocab.save(out / "vocab.json")
+            (out / "vocab.json").write_text(vocab_json)
     metrics = MetricsLog(out / "metrics.jsonl", accelerator, cfg.tracker)
     metrics.truncate_after(start_step)
     init_trackers(accelerator, cfg.tracker, cfg.to_dict(), out, state["run_id"])
 
-    batches = iter(train_loader(data, cfg, world, rank, start_step, pin_memory=device.type == "cuda"))
-    unwrapped = accelerator.unwrap_model(model)
-    flops_per_token = unwrapped.flops_per_token() if hasattr(unwrapped, "flops_per_token") else None
+    batches = TimedIterator(iter(train_loader(data, cfg, engine.dp_size, engine.dp_rank, start_step, pin_memory=device.type == "cuda")))
+    flops_per_token = engine.flops_per_token()
 
     def save_checkpoint(step: int) -> None:
-        checkpoint.save(accelerator, ckpt_root, step, model, optimizer, scheduler, state, config_yaml, vocab_json,
+        checkpoint.save(engine, ckpt_root, step, scheduler, state, config_yaml, vocab_json,
                         keep=cfg.checkpoint.keep, protect=resume_from)
 
     def due(step: int, interval: int) -> bool:
@@ -135,35 +139,19 @@ def run(cfg: Config, config_path: str | None) -> int:
                 dynamic_ncols=True, desc="train")
     first_step_s = None
     t_log, paused, steady_tokens, steady_time, tokens_since = time.perf_counter(), 0.0, 0, 0.0, 0
-    data_time = 0.0
-    model.train()
     for step in range(start_step, cfg.train.max_steps):
-        loss_sum = torch.zeros((), device=device)
-        for _ in range(A):
-            t_data = time.perf_counter()
-            x, y = next(batches)
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            data_time += time.perf_counter() - t_data
-            # accumulate(): no DDP all-reduce until the last micro-step; backward() divides by A.
-            with accelerator.accumulate(model):
-                loss = loss_fn(model(x), y)
-                accelerator.backward(loss)
-            loss_sum += loss.detach()
-        if cfg.train.grad_clip > 0:
-            accelerator.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         lr = optimizer.param_groups[0]["lr"]
-        optimizer.step()
+        loss, tokens = engine.train_step(batches)
         scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
         done = step + 1
-        tokens_since += y.numel() * A * world
+        tokens_since += tokens * engine.dp_size
         pbar.update(1)
         if first_step_s is None:
             first_step_s = time.perf_counter() - t_start
 
         if due(done, cfg.train.log_interval):
             # The only host-device sync of the step, and only on log steps: mean over ranks and micro-batches.
-            train_loss = accelerator.reduce(loss_sum / A, reduction="mean").item()
+            train_loss = accelerator.reduce(loss, reduction="mean").item()
             state["final_train_loss"] = train_loss
             now = time.perf_counter()
             elapsed = max(now - t_log - paused, 1e-9)
@@ -172,7 +160,7 @@ def run(cfg: Config, config_path: str | None) -> int:
                 steady_tokens, steady_time = steady_tokens + tokens_since, steady_time + elapsed
             steps_in_interval = min(cfg.train.log_interval, done - start_step) or 1
             record = {"kind": "train", "step": done, "loss": train_loss, "lr": lr, "tokens_per_sec": tok_s,
-                      "step_time_s": elapsed / steps_in_interval, "data_time_frac": min(1.0, data_time / elapsed),
+                      "step_time_s": elapsed / steps_in_interval, "data_time_frac": min(1.0, batches.seconds / elapsed),
                       "mfu": None}
             if flops_per_token and device.type == "cuda":
                 from parallel_train.perf import peak_flops
@@ -183,11 +171,11 @@ def run(cfg: Config, config_path: str | None) -> int:
             pbar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{tok_s:,.0f}")
             if not math.isfinite(train_loss):
                 raise UserError(f"the train loss is {train_loss} at step {done}; lower train.learning_rate or check the data")
-            t_log, paused, tokens_since, data_time = now, 0.0, 0, 0.0
+            t_log, paused, tokens_since, batches.seconds = now, 0.0, 0, 0.0
 
         t_pause = time.perf_counter()
         if due(done, cfg.eval.interval):
-            val_loss = evaluate(model, val_dl, accelerator)
+            val_loss = engine.evaluate()
             state["final_val_loss"] = val_loss
             if state["best_val_loss"] is None or val_loss < state["best_val_loss"]:
                 state["best_val_loss"] = val_loss
@@ -201,11 +189,11 @@ def run(cfg: Config, config_path: str | None) -> int:
     # ---- results
     if start_step >= cfg.train.max_steps:
         say(f"[parallel_train] the checkpoint is already at train.max_steps={cfg.train.max_steps}; nothing to train")
-    model_state = accelerator.get_state_dict(model)  # a collective under FSDP/DeepSpeed
+    model_state = engine.full_state_dict()  # a collective: the model may be sharded or split over ranks
     if accelerator.is_main_process:
         from safetensors.torch import save_file
 
-        save_file({k: v.detach().contiguous().cpu() for k, v in model_state.items()}, str(out / "model.safetensors"))
+        save_file(model_state, str(out / "model.safetensors"))
         summary = {
             "steps": cfg.train.max_steps,
             "final_train_loss": state["final_train_loss"],

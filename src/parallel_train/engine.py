@@ -1,0 +1,90 @@
+"""How one optimizer step runs on this topology. The trainer only talks to an Engine.
+
+`DataParallelEngine` is the default: Accelerate places the model and wraps it in DDP (one process per
+device); every rank runs the whole model on its shard of the global batch. Pipeline engines (model
+split over devices or processes) live in parallel_train/pipeline/ and offer the same methods.
+
+An engine owns the model and the optimizer; `full_state_dict` and `optimizer_state` are collectives
+(every rank calls them) that return canonical, name-keyed state on the main process, so checkpoints
+from any engine load into any other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from parallel_train.checkpoint import load_optimizer_by_name, optimizer_state_by_name
+from parallel_train.config import Config
+from parallel_train.losses import loss_fn, per_sample_loss
+
+
+class DataParallelEngine:
+    name = "data parallel (DDP via Accelerate)"
+
+    def __init__(self, cfg: Config, accelerator, model: nn.Module, optimizer: torch.optim.Optimizer, val_loader):
+        self.cfg, self.accelerator = cfg, accelerator
+        self.model, self.optimizer, self.val_loader = accelerator.prepare(model, optimizer, val_loader)
+        self.device = accelerator.device
+        # Data parallelism: which shard of the global batch this process reads (data.py).
+        self.dp_size, self.dp_rank = accelerator.num_processes, accelerator.process_index
+
+    @property
+    def unwrapped(self) -> nn.Module:
+        """The plain model, with canonical parameter names."""
+        return self.accelerator.unwrap_model(self.model)
+
+    def train_step(self, batches: Iterator) -> tuple[torch.Tensor, int]:
+        """One optimizer step over gradient_accumulation_steps micro-batches.
+
+        Returns (mean loss of this rank's micro-batches as a device tensor, tokens this rank saw);
+        no host-device sync here: the trainer reads the loss only on log steps.
+        """
+        accelerator, A = self.accelerator, self.cfg.train.gradient_accumulation_steps
+        loss_sum = torch.zeros((), device=self.device)
+        tokens = 0
+        for _ in range(A):
+            x, y = next(batches)
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            # accumulate(): no DDP all-reduce until the last micro-step; backward() divides by A.
+            with accelerator.accumulate(self.model):
+                loss = loss_fn(self.model(x), y)
+                accelerator.backward(loss)
+            loss_sum += loss.detach()
+            tokens += y.numel()
+        if self.cfg.train.grad_clip > 0:
+            accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum / A, tokens
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss over the fixed eval set, each sample counted once across ranks."""
+        self.model.eval()
+        losses = [self.accelerator.gather_for_metrics(per_sample_loss(self.model(x), y)) for x, y in self.val_loader]
+        self.model.train()
+        return torch.cat(losses).mean().item()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Whole-model weights on CPU with canonical names (a collective under FSDP/DeepSpeed)."""
+        state = self.accelerator.get_state_dict(self.model)
+        return {k: v.detach().contiguous().cpu() for k, v in state.items()} if state else {}
+
+    def optimizer_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        return optimizer_state_by_name(self.unwrapped, self.optimizer)
+
+    def load(self, model_state: dict[str, torch.Tensor], opt_tensors: dict[str, torch.Tensor], opt_meta: dict[str, Any]) -> None:
+        self.unwrapped.load_state_dict(model_state)
+        load_optimizer_by_name(self.unwrapped, self.optimizer, opt_tensors, opt_meta)
+
+    def flops_per_token(self) -> int | None:
+        return self.unwrapped.flops_per_token() if hasattr(self.unwrapped, "flops_per_token") else None
+
+
+def build_engine(cfg: Config, accelerator, model: nn.Module, optimizer: torch.optim.Optimizer, val_loader) -> DataParallelEngine:
+    """Pick the engine for this config and launch (pipeline engines plug in here)."""
+    return DataParallelEngine(cfg, accelerator, model, optimizer, val_loader)
