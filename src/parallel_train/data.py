@@ -55,7 +55,7 @@ def load_corpus(cfg: DataConfig) -> str:
     except Exception as e:  # datasets raises its own error types for malformed json/csv/parquet
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise UserError(f"data.path: could not read {cfg.path!r} ({type(e).__name__}: {first})") from None
-    column = "text" if "text" in ds.column_names and cfg.text_column not in ds.column_names else cfg.text_column
+    column = cfg.text_column
     if column not in ds.column_names:
         raise UserError(f"data.text_column: {cfg.text_column!r} is not a column of {cfg.path!r}; columns: {', '.join(ds.column_names)}")
     text = "\n".join(str(t) for t in ds[column] if t is not None)

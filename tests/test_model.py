@@ -1,0 +1,51 @@
+"""Models: shapes, canonical part names, forward with parts removed (what a pipeline stage does)."""
+
+from __future__ import annotations
+
+import torch
+
+from parallel_train.config import ModelConfig
+from parallel_train.losses import loss_fn, per_sample_loss
+from parallel_train.models import build_model
+
+
+def tiny_gpt(**kw) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_model(ModelConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, **kw), vocab_size=11)
+
+
+def test_gpt_shapes_and_names():
+    model = tiny_gpt()
+    idx = torch.randint(0, 11, (3, 8))
+    assert model(idx).shape == (3, 8, 11)
+    top = [name for name, _ in model.named_children()]
+    assert top == ["tok_emb", "pos_emb", "drop", "blocks", "ln_f", "head"]
+    assert "blocks.1.attn.qkv.weight" in dict(model.named_parameters())
+    assert model.flops_per_token() > 6 * 1000
+
+
+def test_gpt_initial_loss_is_near_uniform():
+    model = tiny_gpt()
+    idx = torch.randint(0, 11, (4, 8))
+    loss = loss_fn(model(idx), idx)
+    assert abs(loss.item() - torch.log(torch.tensor(11.0)).item()) < 0.3
+    assert per_sample_loss(model(idx), idx).shape == (4,)
+
+
+def test_gpt_runs_as_two_stages_with_parts_removed():
+    full = tiny_gpt()
+    idx = torch.randint(0, 11, (2, 8))
+    expected = full(idx)
+    first, second = tiny_gpt(), tiny_gpt()
+    first.blocks = torch.nn.ModuleDict({"0": first.blocks["0"]})
+    first.ln_f = first.head = None
+    second.tok_emb = second.pos_emb = None
+    second.blocks = torch.nn.ModuleDict({"1": second.blocks["1"]})
+    torch.testing.assert_close(second(first(idx)), expected)
+
+
+def test_seed_mlp():
+    model = build_model(ModelConfig(name="mlp"), vocab_size=0)
+    assert [n for n, _ in model.named_children()] == ["fc1", "act", "fc2"]
+    assert model(torch.randn(64, 10)).shape == (64, 10)
+    assert sum(p.numel() for p in model.parameters()) == 10 * 50 + 50 + 50 * 10 + 10

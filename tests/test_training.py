@@ -1,0 +1,126 @@
+"""Real training runs: one process, two gloo processes, accumulation, resume, precision.
+
+One module-scoped set of runs serves several tests (each launch costs seconds): the same global batch
+of 8 as 1 process x 8, 2 processes x 4 and 1 process x 4 micro-steps x 2.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+from helpers import TINY, accelerate_cmd, check, launch_env, run, summary, torchrun_cmd, train_cmd, train_losses
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.multiprocess
+
+GLOBAL8 = (*TINY, "train.learning_rate=1e-2")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("runs")
+    env = launch_env(tmp)
+    out = {name: tmp / name for name in ("single", "ddp", "accum", "resumed")}
+    check(run(train_cmd(*GLOBAL8, "train.batch_size=8", f"output_dir={out['single']}"), env=env))
+    ddp = check(run(accelerate_cmd("multi_cpu", *GLOBAL8, "train.batch_size=4", f"output_dir={out['ddp']}"), env=env))
+    check(run(train_cmd(*GLOBAL8, "train.batch_size=2", "train.gradient_accumulation_steps=4", f"output_dir={out['accum']}"), env=env))
+    # Stop after 3 steps, then continue to 6 with resume=auto (the default).
+    check(run(train_cmd(*GLOBAL8, "train.batch_size=8", "train.max_steps=3", f"output_dir={out['resumed']}"), env=env))
+    resumed = check(run(train_cmd(*GLOBAL8, "train.batch_size=8", f"output_dir={out['resumed']}"), env=env))
+    return out, {"ddp": ddp, "resumed": resumed}
+
+
+def weights(run_dir):
+    return load_file(str(run_dir / "model.safetensors"))
+
+
+def test_single_process_run_writes_every_output_and_learns(runs):
+    out = runs[0]["single"]
+    for name in ("config.yaml", "metrics.jsonl", "summary.json", "model.safetensors", "vocab.json"):
+        assert (out / name).is_file(), name
+    assert yaml.safe_load((out / "config.yaml").read_text())["train"]["batch_size"] == 8
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
+    assert {"step", "loss", "lr", "tokens_per_sec", "step_time_s", "data_time_frac", "mfu"} <= set(train[0])
+    assert [r["step"] for r in evals] == [3, 6] and all("val_loss" in r for r in evals)
+    assert train[-1]["loss"] < train[0]["loss"]
+    s = summary(out)
+    assert s["steps"] == 6 and s["world_size"] == 1 and s["distributed_type"] == "NO"
+    assert s["final_train_loss"] == train[-1]["loss"] and s["final_val_loss"] == evals[-1]["val_loss"]
+    assert s["best_val_loss"] == min(r["val_loss"] for r in evals)
+    for key in ("tokens_per_sec", "wall_time_s", "time_to_first_step_s", "peak_memory_mb"):
+        assert s[key] > 0
+    ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert ckpts == ["step_0000003", "step_0000006"]
+    # Canonical names: exactly the parameters of the plain model.
+    assert "blocks.0.attn.qkv.weight" in weights(out) and not any(k.startswith("module.") for k in weights(out))
+
+
+def test_two_gloo_processes_form_one_ddp_group(runs):
+    out, logs = runs
+    s = summary(out["ddp"])
+    assert s["world_size"] == 2 and s["distributed_type"] == "MULTI_CPU"
+    assert "DDP over 2 processes" in logs["ddp"].output and "backend gloo" in logs["ddp"].output
+    assert logs["ddp"].output.count("[parallel_train] done") == 1  # only the main process reports
+
+
+def test_two_processes_x_batch_4_equal_one_process_x_batch_8(runs):
+    out = runs[0]
+    single, ddp = train_losses(out["single"]), train_losses(out["ddp"])
+    assert single.keys() == ddp.keys()
+    for step in single:
+        assert ddp[step] == pytest.approx(single[step], rel=1e-5, abs=1e-6)
+    a, b = weights(out["single"]), weights(out["ddp"])
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-3, atol=1e-4)  # Adam amplifies float noise on near-zero grads
+
+
+def test_accumulation_4_x_batch_2_equals_batch_8(runs):
+    out = runs[0]
+    single, accum = train_losses(out["single"]), train_losses(out["accum"])
+    for step in single:
+        assert accum[step] == pytest.approx(single[step], rel=1e-5, abs=1e-6)
+    a, b = weights(out["single"]), weights(out["accum"])
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-3, atol=1e-4)  # Adam amplifies float noise on near-zero grads
+
+
+def test_resume_continues_the_step_count_exactly(runs):
+    out, logs = runs
+    assert "resumed from" in logs["resumed"].output and "at step 3" in logs["resumed"].output
+    assert sorted(train_losses(out["resumed"])) == [1, 2, 3, 4, 5, 6]
+    assert train_losses(out["resumed"]) == train_losses(out["single"])
+    a, b = weights(out["single"]), weights(out["resumed"])
+    assert all(torch.equal(a[k], b[k]) for k in a)  # bit-identical to the uninterrupted run
+
+
+def test_seed_mlp_example_on_two_processes(tmp_path):
+    r = check(run(torchrun_cmd(2, "--config", "configs/seed_mlp.yaml", "train.batch_size=32", "train.max_steps=20",
+                               f"output_dir={tmp_path}"), env=launch_env(tmp_path)))
+    s = summary(tmp_path)
+    assert s["world_size"] == 2 and s["steps"] == 20
+    losses = train_losses(tmp_path)
+    assert losses[20] < losses[10]
+    assert "DDP over 2 processes" in r.output
+
+
+def test_bf16_on_cpu_works_and_fp16_on_cpu_is_refused(tmp_path):
+    r = check(run(train_cmd(*TINY, "train.mixed_precision=bf16", f"output_dir={tmp_path / 'bf16'}"), env=launch_env(tmp_path)))
+    assert summary(tmp_path / "bf16")["mixed_precision"] == "bf16" and "precision bf16" in r.output
+    r = run(train_cmd(*TINY, f"output_dir={tmp_path / 'fp16'}"), env=launch_env(tmp_path, ACCELERATE_MIXED_PRECISION="fp16"))
+    assert r.returncode == 2 and "Traceback" not in r.output
+    assert r.stderr.strip().startswith("error: mixed precision fp16 needs a GPU")
+
+
+def test_cpu_flag_that_starts_one_process_is_refused(tmp_path):
+    from helpers import ACCELERATE
+
+    r = run([ACCELERATE, "launch", "--cpu", "--num_processes", "2", "train.py", *TINY, f"output_dir={tmp_path}"],
+            env=launch_env(tmp_path))
+    assert r.returncode != 0, r.output
+    assert "error: the launcher was asked for 2 processes but 1 formed the process group" in r.output, r.output[-3000:]
