@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from helpers import PYTHON, run
 
+from helpers import PYTHON, run
 from parallel_train.config import Config, help_text, load_config
 from parallel_train.errors import UserError
 

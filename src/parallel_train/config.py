@@ -79,6 +79,7 @@ class TrainConfig:
 class EvalConfig:
     interval: int = opt(250, "optimizer steps between evaluations (0: only at the end)")
     iters: int = opt(200, "validation batches per evaluation (fixed windows, same at every eval)")
+    batch_size: int = opt(0, "samples per validation batch (0: train.batch_size); iters x batch_size = the eval set")
 
 
 @dataclass
@@ -297,6 +298,7 @@ def validate(cfg: Config) -> None:
 
     _check(cfg.eval.interval >= 0, f"eval.interval: must be >= 0, got {cfg.eval.interval}")
     _check(cfg.eval.iters >= 1, f"eval.iters: must be >= 1, got {cfg.eval.iters}")
+    _check(cfg.eval.batch_size >= 0, f"eval.batch_size: must be >= 0, got {cfg.eval.batch_size}")
     _check(cfg.checkpoint.interval >= 0, f"checkpoint.interval: must be >= 0, got {cfg.checkpoint.interval}")
     _check(cfg.checkpoint.keep >= 1, f"checkpoint.keep: must be >= 1, got {cfg.checkpoint.keep}")
 

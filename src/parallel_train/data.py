@@ -233,15 +233,16 @@ def train_loader(data: Data, cfg: Config, world_size: int, rank: int, start_step
 
 
 def val_loader(data: Data, cfg: Config) -> DataLoader:
-    """A fixed set of eval.iters x batch_size validation samples, the same at every evaluation and topology.
+    """A fixed set of eval.iters x eval.batch_size validation samples, the same at every evaluation and topology.
 
     Not sharded here: `accelerator.prepare` shards it, and `gather_for_metrics` drops the samples it
     repeats to even out the last batch, so every sample counts exactly once.
     """
-    n_eval = cfg.eval.iters * cfg.train.batch_size
+    batch_size = cfg.eval.batch_size or cfg.train.batch_size
+    n_eval = cfg.eval.iters * batch_size
     g = torch.Generator().manual_seed(cfg.train.seed + 7919)
     n = len(data.val_set)
     indices = torch.randperm(n, generator=g)[:n_eval] if n >= n_eval else torch.randint(0, n, (n_eval,), generator=g)
     subset = torch.utils.data.Subset(data.val_set, indices.tolist())
-    return DataLoader(subset, batch_size=cfg.train.batch_size, shuffle=False, collate_fn=keep_batch,
+    return DataLoader(subset, batch_size=batch_size, shuffle=False, collate_fn=keep_batch,
                       generator=torch.Generator().manual_seed(cfg.train.seed))
