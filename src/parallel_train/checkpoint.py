@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from parallel_train.errors import UserError
+from parallel_train.sharding import shard_like, to_full
 
 PREFIX = "step_"
 MANIFEST = "manifest.json"
@@ -125,18 +126,22 @@ def optimizer_state_by_name(model, optimizer) -> tuple[dict[str, torch.Tensor], 
     """The optimizer's state keyed by parameter names instead of positions.
 
     Positions depend on how the model was cut (a pipeline stage holds a few parameters); names do not,
-    so a checkpoint from any topology loads into any other.
+    so a checkpoint from any topology loads into any other. Sharded (FSDP2 DTensor) states are gathered
+    into whole tensors: a collective, every rank calls this.
     """
     names = {id(p): n for n, p in model.named_parameters()}
     params = [p for g in optimizer.param_groups for p in g["params"]]
     sd = optimizer.state_dict()
+    if "state" not in sd:  # DeepSpeed ZeRO keeps flat partitions, not one state per parameter
+        raise UserError("checkpoint: this optimizer's state is not per-parameter (DeepSpeed ZeRO?); the template's "
+                        "name-keyed checkpoints need a torch optimizer: use accelerate_configs/fsdp.yaml for sharded training")
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, Any] = {}
     for idx, param_state in sd["state"].items():
         name = names[id(params[idx])]
         for key, value in param_state.items():
             if torch.is_tensor(value):
-                tensors[f"{name}/{key}"] = value.detach().contiguous().cpu()
+                tensors[f"{name}/{key}"] = to_full(value).detach().contiguous().cpu()
             else:
                 scalars[f"{name}/{key}"] = value
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(params[i])] for i in g["params"]]}
@@ -152,7 +157,7 @@ def load_optimizer_by_name(model, optimizer, tensors: dict[str, torch.Tensor], m
     state: dict[int, dict[str, Any]] = {}
     for idx, p in enumerate(params):
         prefix = names[id(p)] + "/"
-        entry = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        entry = {k[len(prefix):]: shard_like(v, p) for k, v in tensors.items() if k.startswith(prefix)}
         entry.update({k[len(prefix):]: v for k, v in meta["scalars"].items() if k.startswith(prefix)})
         if entry:
             state[idx] = entry

@@ -20,6 +20,7 @@ from torch import nn
 from parallel_train.checkpoint import load_optimizer_by_name, optimizer_state_by_name
 from parallel_train.config import Config
 from parallel_train.losses import loss_fn, per_sample_loss
+from parallel_train.sharding import load_full_state_dict
 
 
 class DataParallelEngine:
@@ -78,7 +79,7 @@ class DataParallelEngine:
         return optimizer_state_by_name(self.unwrapped, self.optimizer)
 
     def load(self, model_state: dict[str, torch.Tensor], opt_tensors: dict[str, torch.Tensor], opt_meta: dict[str, Any]) -> None:
-        self.unwrapped.load_state_dict(model_state)
+        load_full_state_dict(self.unwrapped, model_state)  # cuts whole tensors into shards under FSDP2
         load_optimizer_by_name(self.unwrapped, self.optimizer, opt_tensors, opt_meta)
 
     def flops_per_token(self) -> int | None:
