@@ -94,6 +94,8 @@ class ParallelConfig:
     microbatches: int = opt(1, "micro-batches per batch in the pipeline")
     schedule: str = opt("gpipe", "pipeline schedule", choices=("gpipe", "1f1b", "interleaved1f1b"))
     stage_devices: list[str] = opt([], "devices of the stages in one process, e.g. [cuda:0,cuda:1]")
+    split: str = opt("auto", "auto (balance parameter count) or module names per stage, stages split by |: 'tok_emb,pos_emb,blocks.0..1|blocks.2..3,ln_f,head'")
+    stages_per_rank: int = opt(2, "interleaved1f1b only: model stages each pipeline rank holds")
     timeout_s: int = opt(1800, "seconds a collective may wait before the run fails")
 
 
@@ -305,6 +307,7 @@ def validate(cfg: Config) -> None:
     p = cfg.parallel
     _check(p.pipeline_stages >= 1, f"parallel.pipeline_stages: must be >= 1, got {p.pipeline_stages}")
     _check(p.microbatches >= 1, f"parallel.microbatches: must be >= 1, got {p.microbatches}")
+    _check(p.stages_per_rank >= 1, f"parallel.stages_per_rank: must be >= 1, got {p.stages_per_rank}")
     _check(p.timeout_s >= 1, f"parallel.timeout_s: must be >= 1, got {p.timeout_s}")
     _check(not p.stage_devices or len(p.stage_devices) == p.pipeline_stages,
            f"parallel.stage_devices: {len(p.stage_devices)} devices given for {p.pipeline_stages} pipeline stages; give one per stage")

@@ -12,6 +12,7 @@ from any engine load into any other.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -85,7 +86,19 @@ class DataParallelEngine:
     def flops_per_token(self) -> int | None:
         return self.unwrapped.flops_per_token() if hasattr(self.unwrapped, "flops_per_token") else None
 
+    def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The step's loss averaged over data-parallel ranks, for logging. A collective."""
+        return self.accelerator.reduce(loss, reduction="mean")
+
+    def finish(self, out: Path) -> dict[str, Any]:
+        """End-of-run extras for summary.json (pipeline engines draw their timeline). A collective."""
+        return {}
+
 
 def build_engine(cfg: Config, accelerator, model: nn.Module, optimizer: torch.optim.Optimizer, val_loader) -> DataParallelEngine:
     """Pick the engine for this config and launch (pipeline engines plug in here)."""
+    if cfg.parallel.stage_devices or cfg.parallel.pipeline_stages > 1:
+        from parallel_train.pipeline import build_pipeline_engine
+
+        return build_pipeline_engine(cfg, accelerator, model, optimizer, val_loader)
     return DataParallelEngine(cfg, accelerator, model, optimizer, val_loader)

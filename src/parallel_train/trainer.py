@@ -151,7 +151,7 @@ def run(cfg: Config, config_path: str | None) -> int:
 
         if due(done, cfg.train.log_interval):
             # The only host-device sync of the step, and only on log steps: mean over ranks and micro-batches.
-            train_loss = accelerator.reduce(loss, reduction="mean").item()
+            train_loss = engine.mean_loss(loss).item()
             state["final_train_loss"] = train_loss
             now = time.perf_counter()
             elapsed = max(now - t_log - paused, 1e-9)
@@ -189,6 +189,7 @@ def run(cfg: Config, config_path: str | None) -> int:
     # ---- results
     if start_step >= cfg.train.max_steps:
         say(f"[parallel_train] the checkpoint is already at train.max_steps={cfg.train.max_steps}; nothing to train")
+    engine_summary = engine.finish(out)  # a collective: e.g. the pipeline timeline
     model_state = engine.full_state_dict()  # a collective: the model may be sharded or split over ranks
     if accelerator.is_main_process:
         from safetensors.torch import save_file
@@ -207,6 +208,7 @@ def run(cfg: Config, config_path: str | None) -> int:
             "time_to_first_step_s": first_step_s,
             "resumed_from": str(resume_from) if resume_from else None,
             **peak_memory_mb(device),
+            **engine_summary,
         }
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         say(f"[parallel_train] done: {cfg.train.max_steps} steps, val loss {state['final_val_loss']}, "

@@ -69,6 +69,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    # forward uses these together: the pipeline splitter keeps them in one stage.
+    pipeline_groups = (("tok_emb", "pos_emb", "drop"),)
+
     def __init__(self, cfg: ModelConfig, vocab_size: int):
         super().__init__()
         self.block_size = cfg.block_size

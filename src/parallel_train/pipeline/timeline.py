@@ -1,0 +1,114 @@
+"""The pipeline schedule as measured: record forward/backward spans, compute the bubble, draw the picture.
+
+One "flush" is one pass of all micro-batches through the pipeline (forward and backward), i.e. one
+`schedule.step` or one accumulation micro-step. Each span is (row, stage, micro-batch, kind, start, end)
+in seconds; a row is a device (in-process executor) or a pipeline rank (multi-process executor; with
+the interleaved schedule a rank runs several stages). The bubble is the share of row-time in which a
+row computes nothing: 1 - busy / (rows x makespan). With S rows and M micro-batches the ideal GPipe /
+1F1B bubble is (S-1)/(M+S-1) (interleaving V stages per rank: (S-1)/(V*M+S-1)).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from pathlib import Path
+
+Span = tuple[int, int, int, str, float, float]  # row, stage, micro-batch, "F" or "B", start s, end s
+
+
+def ideal_bubble(n_rows: int, microbatches: int, stages_per_row: int = 1) -> float:
+    return (n_rows - 1) / (stages_per_row * microbatches + n_rows - 1)
+
+
+def bubble_fraction(spans: list[Span], n_rows: int) -> float | None:
+    if not spans:
+        return None
+    start, end = min(s[4] for s in spans), max(s[5] for s in spans)
+    if end <= start:
+        return None
+    busy = sum(s[5] - s[4] for s in spans)
+    return max(0.0, 1.0 - busy / (n_rows * (end - start)))
+
+
+class Recorder:
+    """Keeps the spans of the last few flushes. The very first flush (lazy init, shape exchange) is
+    used only when the run has no other."""
+
+    def __init__(self, keep: int = 50):
+        self.flushes: deque[list[Span]] = deque(maxlen=keep)
+        self.first: list[Span] | None = None
+        self.current: list[Span] | None = None
+
+    def start_flush(self) -> None:
+        self.end_flush()
+        self.current = []
+
+    def add(self, row: int, stage: int, mb: int, kind: str, t0: float, t1: float) -> None:
+        if self.current is not None:
+            self.current.append((row, stage, mb, kind, t0, t1))
+
+    def end_flush(self) -> None:
+        if self.current:
+            if self.first is None:
+                self.first = self.current
+            else:
+                self.flushes.append(self.current)
+        self.current = None
+
+    def steady(self) -> list[list[Span]]:
+        self.end_flush()
+        return list(self.flushes) or ([self.first] if self.first else [])
+
+
+def summarize(flushes: list[list[Span]], n_rows: int, microbatches: int, stages_per_row: int = 1) -> dict:
+    """Mean measured bubble over the recorded flushes, beside the ideal."""
+    measured = [b for b in (bubble_fraction(f, n_rows) for f in flushes) if b is not None]
+    return {
+        "pipeline_bubble_measured": sum(measured) / len(measured) if measured else None,
+        "pipeline_bubble_ideal": ideal_bubble(n_rows, microbatches, stages_per_row),
+        "pipeline_flushes_measured": len(measured),
+    }
+
+
+def draw(spans: list[Span], row_labels: list[str], path: Path, title: str) -> None:
+    """One row per device/rank; blue = forward, orange = backward, white gaps = bubbles."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    t0 = min(s[4] for s in spans)
+    multi_stage = len({s[1] for s in spans}) > len(row_labels)
+    fig, ax = plt.subplots(figsize=(12, 0.7 * len(row_labels) + 2.0))
+    colors = {"F": "#4c72b0", "B": "#dd8452"}
+    for row, stage, mb, kind, a, b in spans:
+        left, width = (a - t0) * 1e3, (b - a) * 1e3
+        ax.barh(row, width, left=left, height=0.8, color=colors[kind], edgecolor="black", linewidth=0.4)
+        label = f"{kind}{mb}" if not multi_stage else f"{kind}{mb}s{stage}"
+        ax.text(left + width / 2, row, label, ha="center", va="center", fontsize=7, color="white", clip_on=True)
+    ax.set_yticks(range(len(row_labels)), row_labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("time in the step (ms)")
+    ax.set_title(title, fontsize=10)
+    handles = [Patch(color=colors["F"], label="forward of micro-batch i (Fi)"), Patch(color=colors["B"], label="backward (Bi)"),
+               Patch(facecolor="white", edgecolor="black", label="white: bubble (idle)")]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3, fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(flushes: list[list[Span]], row_labels: list[str], microbatches: int, stages_per_row: int,
+                 out: Path, title: str, say) -> dict:
+    """Draw the last measured flush to out/pipeline_timeline.png; return the bubble figures for summary.json."""
+    result = summarize(flushes, len(row_labels), microbatches, stages_per_row)
+    if flushes:
+        path = out / "pipeline_timeline.png"
+        measured = result["pipeline_bubble_measured"]
+        draw(flushes[-1], row_labels, path, f"{title}\nbubble measured {measured:.0%} (mean of {len(flushes)} flushes), "
+             f"ideal {result['pipeline_bubble_ideal']:.0%}")
+        result["pipeline_timeline"] = path.name
+        say(f"[parallel_train] pipeline bubble: measured {measured:.1%}, ideal (S-1)/(M+S-1) = {result['pipeline_bubble_ideal']:.1%} "
+            f"(S={len(row_labels)}, M={microbatches}); schedule picture: {path}")
+    return result
