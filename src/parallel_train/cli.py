@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from parallel_train.config import help_text, load_config
+from parallel_train.messages import quiet_third_party
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -12,6 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     if "-h" in argv or "--help" in argv:
         print(help_text())
         return 0
+    quiet_third_party()
     cfg, config_path = load_config(argv)
     from parallel_train.trainer import run  # after validation: bad input fails before torch loads
 

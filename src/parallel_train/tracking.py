@@ -10,6 +10,7 @@ import json
 import netrc
 import os
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ def wandb_has_credentials() -> bool:
         return False
 
 
-def prepare_tracker_env(tracker: str, output_dir: Path, notice) -> str:
+def prepare_tracker_env(tracker: str, output_dir: Path, notice: Callable[[str], None]) -> str:
     """Set wandb's environment before it is imported. Returns a word for the banner."""
     if tracker != "wandb":
         return tracker
@@ -41,22 +42,35 @@ def new_run_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
+def flat_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"train": {"lr": 1}} -> {"train.lr": 1}; lists become strings (tensorboard's hparams take scalars only)."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(flat_config(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = str(value) if isinstance(value, (list, tuple)) else value
+    return flat
+
+
 def init_trackers(accelerator, tracker: str, config: dict[str, Any], output_dir: Path, run_id: str) -> None:
     """Start the tracker run on the main process (accelerate does nothing on the others)."""
     if tracker == "none":
         return
-    init_kwargs = {}
     if tracker == "wandb":
         # Same id + resume="allow": a resumed training run continues the same wandb run.
-        init_kwargs["wandb"] = {"id": run_id, "resume": "allow", "name": output_dir.name, "dir": str(output_dir)}
-    accelerator.init_trackers(project_name=os.environ.get("WANDB_PROJECT", "parallel-train"), config=config, init_kwargs=init_kwargs)
+        init_kwargs = {"wandb": {"id": run_id, "resume": "allow", "name": output_dir.name, "dir": str(output_dir)}}
+        accelerator.init_trackers(project_name=os.environ.get("WANDB_PROJECT", "parallel-train"), config=config, init_kwargs=init_kwargs)
+    else:
+        # Event files go to output_dir/tensorboard/, so `tensorboard --logdir runs` shows every run by name.
+        accelerator.init_trackers(project_name="tensorboard", config=flat_config(config))
 
 
-def finish_trackers(accelerator, tracker: str, output_dir: Path, say) -> None:
+def finish_trackers(accelerator, tracker: str, output_dir: Path, run_id: str, say: Callable[[str], None]) -> None:
     """Close the tracker run and the process group (accelerator.end_training does both)."""
     accelerator.end_training()
     if tracker == "wandb" and accelerator.is_main_process and os.environ.get("WANDB_MODE") == "offline":
-        runs = sorted((output_dir / "wandb").glob("offline-run-*"), key=lambda p: p.stat().st_mtime)
+        runs = sorted((output_dir / "wandb").glob(f"offline-run-*-{run_id}"), key=lambda p: p.stat().st_mtime)
         if runs:
             say(f"wandb: offline run saved; upload it with: wandb sync {runs[-1]}")
 
@@ -83,5 +97,6 @@ class MetricsLog:
             f.write(json.dumps(record) + "\n")
         if self.tracker != "none":
             values = {k: v for k, v in record.items() if k not in ("step", "kind") and isinstance(v, (int, float))}
+            # train/loss, train/lr, ... and val/loss: the metrics.jsonl keys grouped by kind.
             prefix = "val/" if record.get("kind") == "eval" else "train/"
-            self.accelerator.log({prefix + k: v for k, v in values.items()}, step=record["step"])
+            self.accelerator.log({prefix + k.removeprefix("val_"): v for k, v in values.items()}, step=record["step"])

@@ -22,8 +22,10 @@ from parallel_train.data import CharVocab, build_datasets, train_loader, val_loa
 from parallel_train.engine import build_engine
 from parallel_train.errors import UserError
 from parallel_train.launch import make_accelerator, topology
+from parallel_train.messages import train_line
 from parallel_train.models import build_model
 from parallel_train.optim import build_optimizer, build_scheduler
+from parallel_train.plots import PICTURE, plot_runs
 from parallel_train.tracking import MetricsLog, finish_trackers, init_trackers, new_run_id, prepare_tracker_env
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "model.safetensors")
@@ -169,6 +171,7 @@ def run(cfg: Config, config_path: str | None) -> int:
                 record["mfu"] = flops_per_token * tok_s / (peak * world) if peak else None
             metrics.log(record)
             pbar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{tok_s:,.0f}")
+            say(train_line(record, cfg.train.max_steps))  # plain lines: the bar is off when stderr is not a terminal
             if not math.isfinite(train_loss):
                 raise UserError(f"the train loss is {train_loss} at step {done}; lower train.learning_rate or check the data")
             t_log, paused, tokens_since, batches.seconds = now, 0.0, 0, 0.0
@@ -211,8 +214,9 @@ def run(cfg: Config, config_path: str | None) -> int:
             **engine_summary,
         }
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        say(f"[parallel_train] loss curves: {plot_runs([out], out / PICTURE)}")
         say(f"[parallel_train] done: {cfg.train.max_steps} steps, val loss {state['final_val_loss']}, "
             f"{summary['wall_time_s']:.1f} s; outputs in {out}")
     accelerator.wait_for_everyone()
-    finish_trackers(accelerator, cfg.tracker, out, say)  # also destroys the process group
+    finish_trackers(accelerator, cfg.tracker, out, state["run_id"], say)  # also destroys the process group
     return 0

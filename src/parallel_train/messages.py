@@ -1,0 +1,38 @@
+"""What a run prints: the per-interval training line, and less noise from third-party libraries.
+
+The trainer prints one start banner, one line per log interval and one per evaluation, from the main
+process only. Library warnings are shown once per node (the first process of each machine; the other
+processes run the same code and would repeat them) and once per distinct message, not once per call site.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from typing import Any
+
+
+def train_line(record: dict[str, Any], max_steps: int) -> str:
+    """`step 10/2000 | loss 2.3456 | lr 1.00e-03 | 12,345 tok/s | 70.1 ms/step | data 2% [| mfu 31.0%]`."""
+    line = (
+        f"step {record['step']}/{max_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+        f"{record['tokens_per_sec']:,.0f} tok/s | {record['step_time_s'] * 1000:.1f} ms/step | "
+        f"data {record['data_time_frac']:.0%}"
+    )
+    if record.get("mfu") is not None:
+        line += f" | mfu {record['mfu']:.1%}"
+    return line
+
+
+def quiet_third_party() -> None:
+    """Show each distinct library warning once per node, not once per process, call site or step.
+
+    Python's default repeats a warning for every module and line that triggers it, in every process.
+    Set PYTHONWARNINGS (e.g. `PYTHONWARNINGS=default`) to see them all: an explicit setting wins.
+    """
+    if sys.warnoptions:
+        return
+    action = "once" if os.environ.get("LOCAL_RANK", "0") == "0" else "ignore"
+    for category in (UserWarning, FutureWarning, RuntimeWarning):  # the kinds Python shows by default
+        warnings.filterwarnings(action, category=category)
