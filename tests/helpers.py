@@ -8,6 +8,8 @@ import signal
 import socket
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +54,30 @@ def run(cmd: list[str], timeout: float = 300, env: dict[str, str] | None = None,
         out, err = proc.communicate()
         raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-3000:]}") from None
     return Result(proc.returncode, out, err)
+
+
+def run_together(cmds: list[list[str]], envs: list[dict[str, str]], timeout: float = 300, cwd: Path = REPO) -> list[Result]:
+    """Run several launches at once (e.g. one per "node"); on timeout kill every process group and fail loudly."""
+    procs = [subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+             for cmd, env in zip(cmds, envs, strict=True)]
+    deadline = time.monotonic() + timeout
+
+    def wait(proc: subprocess.Popen) -> tuple[str, str, bool]:
+        try:  # a thread each: every pipe is drained while the others run
+            return *proc.communicate(timeout=max(0.1, deadline - time.monotonic())), False
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+            return *proc.communicate(), True
+
+    with ThreadPoolExecutor(len(procs)) as pool:
+        outcomes = list(pool.map(wait, procs))
+    results = [Result(proc.returncode, out, err) for proc, (out, err, _) in zip(procs, outcomes, strict=True)]
+    if any(late for _, _, late in outcomes):
+        logs = "\n".join(f"--- launch {i}\n{r.output[-3000:]}" for i, r in enumerate(results))
+        raise AssertionError(f"timed out after {timeout}s: {len(cmds)} concurrent launches\n{logs}")
+    return results
 
 
 def check(result: Result) -> Result:
