@@ -123,6 +123,8 @@ def _fields(obj: Any) -> dict[str, dataclasses.Field]:
 
 
 def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp):  # list[str] says what goes in the list; its __name__ would say only "list"
+        return str(tp).replace("typing.", "")
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 

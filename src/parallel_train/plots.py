@@ -38,8 +38,11 @@ def plot_runs(runs: list[Path], out: Path) -> Path:
     fig = Figure(figsize=(12, 8), layout="constrained")
     grid = fig.add_gridspec(2, 2, height_ratios=(3, 2))
     ax_loss, ax_lr, ax_tok = fig.add_subplot(grid[0, :]), fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1])
-    for i, run in enumerate(runs):
-        records, color, name = read_metrics(run), f"C{i % 10}", run.name
+    names = [run.name for run in runs]
+    if len(set(names)) < len(names):  # e.g. a/run and b/run: the folder names alone would not tell them apart
+        names = [str(run) for run in runs]
+    for i, (run, name) in enumerate(zip(runs, names, strict=True)):
+        records, color = read_metrics(run), f"C{i % 10}"
         steps, loss = _series(records, "train", "loss")
         ax_loss.plot(steps, loss, color=color, linewidth=1.2, label=f"{name} train")
         steps, val = _series(records, "eval", "val_loss")
@@ -56,7 +59,7 @@ def plot_runs(runs: list[Path], out: Path) -> Path:
     ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
     if len(runs) > 1:
         ax_tok.legend(fontsize="small")
-    fig.suptitle(", ".join(run.name for run in runs))
+    fig.suptitle(", ".join(names))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     return out
