@@ -1,0 +1,113 @@
+"""Test-only fault injection: make a real run fail in a chosen way at a chosen step.
+
+Off unless the environment variable PARALLEL_TRAIN_FAULT is set; the reliability tests use it to kill,
+hang or signal real processes deterministically. Format: `KIND@STEP[:rank=R][:once=MARKER_FILE]`, several
+separated by `;`.
+
+    kill@4               SIGKILL this process right after optimizer step 4 (a crash, an OOM kill)
+    kill@4:rank=1        only on global rank 1
+    kill@4:rank=1:once=/tmp/m   only if /tmp/m does not exist yet (it is created): fires once across restarts
+    kill_in_save@6       SIGKILL in the middle of writing checkpoint 6 (after model.safetensors)
+    hang@3               stop answering after step 3 (the others must time out, not hang)
+    sigterm@3, sigusr1@3, sigint@3   send this process a real signal after step 3
+    nan@3                make the loss of step 3 NaN (through the model output)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV = "PARALLEL_TRAIN_FAULT"
+SIGNALS = {"sigterm": signal.SIGTERM, "sigusr1": signal.SIGUSR1, "sigint": signal.SIGINT}
+KINDS = ("kill", "kill_in_save", "hang", "nan", *SIGNALS)
+
+
+@dataclass
+class Fault:
+    kind: str
+    step: int
+    rank: int | None = None
+    once: str | None = None
+
+    def applies(self, kind: str, step: int) -> bool:
+        if kind != self.kind or step != self.step:
+            return False
+        if self.rank is not None and self.rank != int(os.environ.get("RANK", "0")):
+            return False
+        if self.once:
+            marker = Path(self.once)
+            if marker.exists():
+                return False
+            marker.write_text(f"fired {self.kind}@{self.step} in pid {os.getpid()}\n")
+        return True
+
+
+def parse(spec: str) -> list[Fault]:
+    faults = []
+    for item in filter(None, (s.strip() for s in spec.split(";"))):
+        head, *options = item.split(":")
+        kind, _, step = head.partition("@")
+        if kind not in KINDS or not step.isdigit():
+            raise ValueError(f"{ENV}: cannot parse {item!r}; kinds: {', '.join(KINDS)}")
+        fault = Fault(kind, int(step))
+        for opt in options:
+            key, _, value = opt.partition("=")
+            if key == "rank":
+                fault.rank = int(value)
+            elif key == "once":
+                fault.once = value
+            else:
+                raise ValueError(f"{ENV}: unknown option {opt!r} in {item!r}")
+        faults.append(fault)
+    return faults
+
+
+FAULTS = parse(os.environ.get(ENV, ""))
+
+
+def _fire(kind: str, step: int) -> bool:
+    return any(f.applies(kind, step) for f in FAULTS)
+
+
+def after_step(step: int) -> None:
+    """Called by the trainer after each optimizer step."""
+    if not FAULTS:
+        return
+    if _fire("kill", step):
+        print(f"[fault] SIGKILL rank {os.environ.get('RANK', '0')} after step {step}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if _fire("hang", step):
+        print(f"[fault] rank {os.environ.get('RANK', '0')} hangs after step {step}", flush=True)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a stuck process: the launcher's SIGTERM ends it
+        while True:
+            time.sleep(3600)
+    for name, sig in SIGNALS.items():
+        if _fire(name, step):
+            print(f"[fault] {sig.name} to rank {os.environ.get('RANK', '0')} after step {step}", flush=True)
+            os.kill(os.getpid(), sig)
+
+
+def in_save(step: int) -> None:
+    """Called by checkpoint.save after the first files of checkpoint `step` are written."""
+    if FAULTS and _fire("kill_in_save", step):
+        print(f"[fault] SIGKILL while saving checkpoint {step}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def install(model, current_step) -> None:
+    """For `nan@K`: a forward hook that turns the model output of step K into NaN. `current_step()` -> int."""
+    steps = [f for f in FAULTS if f.kind == "nan"]
+    if not steps or model is None:
+        return
+
+    def poison(module, inputs, output):
+        if module.training and any(f.applies("nan", current_step()) for f in steps):
+            print(f"[fault] NaN output at step {current_step()}", flush=True)
+            return output * float("nan")
+        return output
+
+    model.register_forward_hook(poison)

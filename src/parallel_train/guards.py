@@ -1,0 +1,195 @@
+"""Guards that end a run cleanly instead of losing work or continuing from a wrong state.
+
+- Stop signals: SIGTERM (SLURM preemption, torchrun shutting down), SIGUSR1 (SLURM's `--signal=USR1@T`
+  warning) and SIGINT (Ctrl-C) do not kill the process; they ask the loop to stop. The loop stops at a
+  step every rank agrees on, writes a checkpoint there (a collective) and exits 0 with the command to go on.
+  A second Ctrl-C stops at once (without a checkpoint).
+- Non-finite loss or gradients: by default the run stops with an error naming the first bad step; with
+  `train.max_skipped_steps=N` such steps are skipped (no optimizer update), N at most. Either way every rank
+  takes the same decision, and no checkpoint (or final model) with non-finite weights is ever written.
+- A collective that fails (a peer died, or hung longer than parallel.timeout_s) ends this process with one
+  line and exit code 1 instead of a C++ traceback or a hang, so an elastic launcher can restart the job.
+
+Agreement: ranks compare notes with one all-reduce of two integers ("a stop signal arrived", "first
+non-finite step"). On CPU (gloo) that costs microseconds and happens after every step. On GPUs reading the
+result is a host-device sync that would stall the pipelined launch of kernels, so it happens only every
+AGREE_EVERY_ON_GPU steps and on log, checkpoint and final steps (which sync anyway). A signal is then
+honoured within that many steps (well inside SLURM's and torchrun's grace periods of 30 s or more), and the
+non-finite flags of the steps in between are kept on the device, so the first bad step is still named.
+"""
+
+from __future__ import annotations
+
+import shlex
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from parallel_train.errors import UserError
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+AGREE_EVERY_ON_GPU = 16
+NO_BAD_STEP = 2**62  # "no non-finite step seen" in the agreement's min-reduction
+
+
+@dataclass
+class Progress:
+    """Where this process is, for error messages raised outside the loop (see collective_failure_message)."""
+
+    step: int = 0
+    timeout_s: int | None = None
+    rank: int = 0
+
+
+PROGRESS = Progress()
+
+
+class StopSignals:
+    """Turns SIGTERM/SIGUSR1/SIGINT into a request to stop at the next agreed step."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+        self._interrupts = 0
+
+    def install(self) -> None:
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        if signum == signal.SIGINT:
+            # Ctrl-C reaches every process of the terminal's group, and torchrun then sends SIGTERM on top:
+            # only a second SIGINT means "stop now, no checkpoint".
+            self._interrupts += 1
+            if self._interrupts > 1:
+                raise KeyboardInterrupt
+        if self.received is None:
+            self.received = signum
+
+    @property
+    def name(self) -> str | None:
+        return signal.Signals(self.received).name if self.received is not None else None
+
+
+def _all_reduce(t: torch.Tensor, op) -> torch.Tensor:
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(t, op=op)
+    return t
+
+
+class RunGuard:
+    """The trainer's guard: call begin_step/end_step around every step; the engine calls update_allowed."""
+
+    def __init__(self, accelerator, max_skipped: int, timeout_s: int, skipped_so_far: int = 0):
+        self.accelerator, self.device = accelerator, accelerator.device
+        self.max_skipped, self.skipped = max_skipped, skipped_so_far
+        self.every = 1 if self.device.type == "cpu" else AGREE_EVERY_ON_GPU
+        self.signals = StopSignals()
+        self.step = 0
+        self._bad: list[tuple[int, torch.Tensor]] = []  # (step, device bool) since the last agreement
+        PROGRESS.timeout_s, PROGRESS.rank = timeout_s, accelerator.process_index
+
+    # ---- per step
+
+    def begin_step(self, step: int) -> None:
+        self.step = PROGRESS.step = step
+
+    def update_allowed(self, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> bool:
+        """Called by the engine between backward and optimizer.step(): False means skip this update."""
+        bad = ~torch.isfinite(loss.detach())
+        if grad_norm is not None:
+            bad = bad | ~torch.isfinite(grad_norm.detach())
+        if self.max_skipped == 0:
+            self._bad.append((self.step, bad))  # read at the next agreement: no sync here
+            return True
+        # Skipping needs the verdict before the update: one all-reduce and host sync per step (the price
+        # of train.max_skipped_steps > 0, documented there). MAX: if any rank saw it, every rank skips.
+        if not int(_all_reduce(bad.to(torch.int32).reshape(1), torch.distributed.ReduceOp.MAX).item()):
+            return True
+        self.skipped += 1
+        if self.skipped > self.max_skipped:
+            raise UserError(f"non-finite loss or gradients at step {self.step}: {self.skipped} steps skipped, more than "
+                            f"train.max_skipped_steps={self.max_skipped}; lower train.learning_rate or check the data")
+        if self.accelerator.is_main_process:
+            print(f"warning: non-finite loss or gradients at step {self.step}: update skipped "
+                  f"({self.skipped} of at most {self.max_skipped})", flush=True)
+        return False
+
+    def end_step(self, step: int, loss: torch.Tensor, force: bool = False) -> str | None:
+        """Agree with the other ranks (every `self.every` steps, or when forced): raises on a non-finite step,
+        returns the stop signal's name when any rank received one, else None. Every rank calls it every step."""
+        if self.max_skipped == 0 and (not self._bad or self._bad[-1][0] != step):
+            self._bad.append((step, ~torch.isfinite(loss.detach())))  # an engine that does not call update_allowed
+        if not force and step % self.every:
+            return None
+        first_bad = NO_BAD_STEP
+        if self._bad:
+            flags = torch.stack([b for _, b in self._bad]).reshape(-1).cpu()  # the one sync of the window
+            hits = [s for (s, _), f in zip(self._bad, flags.tolist(), strict=True) if f]
+            first_bad = hits[0] if hits else NO_BAD_STEP
+            self._bad.clear()
+        got_signal = 1 if self.signals.received is not None else 0
+        # One all-reduce: MAX of (signal, -first_bad) = (any rank signalled, -(earliest bad step on any rank)).
+        # A CPU tensor under gloo; the device under NCCL (which cannot reduce CPU tensors).
+        device = self.device if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl" else "cpu"
+        agreed = _all_reduce(torch.tensor([got_signal, -first_bad], dtype=torch.int64, device=device),
+                             torch.distributed.ReduceOp.MAX).tolist()
+        if -agreed[1] != NO_BAD_STEP:
+            raise UserError(f"non-finite loss or gradients at step {-agreed[1]} (all ranks stopped at step {step}; no checkpoint "
+                            "was written after it); lower train.learning_rate, check the data, or set train.max_skipped_steps=N "
+                            "to skip such steps")
+        if agreed[0]:
+            return self.signals.name or "a stop signal (on another rank)"
+        return None
+
+
+def check_finite_weights(engine, step: int) -> None:
+    """Refuse to write weights that hold NaN/inf. A collective: every rank checks its own parameters."""
+    bad = torch.zeros((), dtype=torch.int64)
+    # The optimizer holds exactly this rank's parameters under every engine (whole model, shard or stage).
+    for p in (q for group in engine.optimizer.param_groups for q in group["params"]):
+        local = p.to_local() if hasattr(p, "to_local") else p  # a DTensor's shard
+        if not bool(torch.isfinite(local.detach()).all()):
+            bad.fill_(1)
+            break
+    device = engine.accelerator.device if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl" else "cpu"
+    if _all_reduce(bad.to(device), torch.distributed.ReduceOp.MAX).item():
+        raise UserError(f"the model weights are non-finite (NaN or inf) at step {step}: not writing them; "
+                        "lower train.learning_rate or check the data, then resume=auto from the last checkpoint")
+
+
+# ---------------------------------------------------------------- failed collectives
+
+COLLECTIVE_MARKERS = ("gloo", "nccl", "connection reset by peer", "connection closed by peer", "broken pipe",
+                      "timed out waiting", "watchdog", "processgroup", "collective operation timeout")
+
+
+def collective_failure_message(error: BaseException) -> str | None:
+    """One line for an error raised by a collective (a peer died or hung), else None."""
+    dist_error = getattr(torch.distributed, "DistError", ())
+    text = str(error).strip()
+    if not (isinstance(error, dist_error) or any(m in text.lower() for m in COLLECTIVE_MARKERS)):
+        return None
+    first = text.splitlines()[0] if text else type(error).__name__
+    if first.startswith("[") and "] " in first:  # drop gloo's "[/path/to/pair.cc:537] " source location
+        first = first.split("] ", 1)[1]
+    first = first.split(". This is typically")[0][:200]
+    timeout = f"{PROGRESS.timeout_s} s" if PROGRESS.timeout_s else "the timeout"
+    return (f"rank {PROGRESS.rank}: a collective failed at step {PROGRESS.step} ({first}): another process died or did not "
+            f"answer within parallel.timeout_s ({timeout}); see that process's output, then relaunch with resume=auto")
+
+
+def stop_message(signal_name: str, step: int, max_steps: int, saved: Path) -> str:
+    """What a preempted run prints last: where its work is and the command that continues it."""
+    args = [a for a in sys.argv[1:] if not a.startswith("resume=")]
+    command = " ".join(shlex.quote(a) for a in ["train.py", *args, "resume=auto"])
+    return (f"[parallel_train] {signal_name}: stopped at step {step} of {max_steps} and saved {saved}. "
+            f"To continue, relaunch the same way (python / accelerate launch / torchrun) with: {command}")
