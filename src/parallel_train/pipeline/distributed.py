@@ -61,7 +61,6 @@ class MultiProcessPipelineEngine:
 
     def __init__(self, cfg: Config, accelerator, model: nn.Module, optimizer: torch.optim.Optimizer, val_loader):
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.pipelining import PipelineStage, schedules
 
         p = cfg.parallel
         self.cfg, self.accelerator, self.optimizer, self.val_loader = cfg, accelerator, optimizer, val_loader
@@ -85,24 +84,34 @@ class MultiProcessPipelineEngine:
 
         mesh = init_device_mesh(self.device.type, (D, S), mesh_dim_names=("dp", "pp"))
         self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+        self.update_allowed = lambda loss, grad_norm: True  # the trainer installs its guard here
         self.recorder = Recorder()
         self.profile_every = 10 if self.device.type == "cuda" else 1
         self._steps, self.profiling = 0, False
-        stages = [PipelineStage(mod, i, S * V, self.device, group=self.pp_group) for mod, i in zip(self.stage_mods, self.stage_ids, strict=True)]
-        for stage in stages:
-            stage.forward_one_chunk = self._timed(stage.forward_one_chunk, "F", stage.stage_index)
-            stage.backward_one_chunk = self._timed(stage.backward_one_chunk, "B", stage.stage_index)
         self.is_first, self.is_last = 0 in self.stage_ids, (S * V - 1) in self.stage_ids
         self.loss_scale = 1.0 / (M * A)
-        schedule_cls = getattr(schedules, SCHEDULES[p.schedule])
-        scaled_loss = lambda out, y: loss_fn(out, y) * self.loss_scale  # noqa: E731 (see the module docstring)
-        self.schedule = schedule_cls(stages if V > 1 else stages[0], n_microbatches=M, loss_fn=scaled_loss, scale_grads=False)
+        self.schedule = self._make_schedule(M, timed=True)
+        self.eval_schedule = None  # built at the first evaluation: its batches may have another size
 
         self.name = (f"multi-process pipeline (executor 2, torch.distributed.pipelining): {S} stage ranks"
                      + (f" x {V} interleaved stages each" if V > 1 else "") + f", schedule {p.schedule}, {M} micro-batches, "
                      f"{D} data-parallel replica{'s' if D > 1 else ''}")
         places = [f"rank {i % S}" for i in range(S * V)]
         accelerator.print(f"[parallel_train] pipeline split: {describe_stages(model, plan, places)}")
+
+    def _make_schedule(self, n_microbatches: int, timed: bool = False):
+        """Stages over this rank's modules and the named schedule. Stages learn the activation shapes at
+        their first step, so evaluation (another batch size) gets its own."""
+        from torch.distributed.pipelining import PipelineStage, schedules
+
+        n = self.S * self.V
+        stages = [PipelineStage(mod, i, n, self.device, group=self.pp_group) for mod, i in zip(self.stage_mods, self.stage_ids, strict=True)]
+        for stage in stages if timed else ():
+            stage.forward_one_chunk = self._timed(stage.forward_one_chunk, "F", stage.stage_index)
+            stage.backward_one_chunk = self._timed(stage.backward_one_chunk, "B", stage.stage_index)
+        schedule_cls = getattr(schedules, SCHEDULES[self.cfg.parallel.schedule])
+        scaled_loss = lambda out, y: loss_fn(out, y) * self.loss_scale  # noqa: E731 (see the module docstring)
+        return schedule_cls(stages if self.V > 1 else stages[0], n_microbatches=n_microbatches, loss_fn=scaled_loss, scale_grads=False)
 
     # ---- timing
     def _timed(self, fn, kind: str, stage_index: int):
@@ -123,7 +132,7 @@ class MultiProcessPipelineEngine:
         args = (x.to(self.device),) if self.is_first else ()
         kwargs = {"target": y.to(self.device), "losses": losses} if self.is_last else {}
         with self.accelerator.autocast():
-            (self.schedule.step if train else self.schedule.eval)(*args, **kwargs)
+            (self.schedule.step if train else self.eval_schedule.eval)(*args, **kwargs)
         return losses
 
     def train_step(self, batches) -> tuple[torch.Tensor, int]:
@@ -150,21 +159,26 @@ class MultiProcessPipelineEngine:
             flat.div_(self.dp_size)
             for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
                 g.copy_(reduced)
-        if self.cfg.train.grad_clip > 0:
-            self._clip(params, self.cfg.train.grad_clip)
-        self.optimizer.step()
+        grad_norm = None
+        if self.cfg.train.grad_clip > 0 or getattr(self.cfg.train, "max_skipped_steps", 0):
+            grad_norm = self._clip(params, self.cfg.train.grad_clip or float("inf"))
+        # The guard (guards.py) sees the global norm, the same on every rank: all skip a non-finite step together.
+        if self.update_allowed(loss, grad_norm):
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss, tokens
 
-    def _clip(self, params: list[torch.Tensor], max_norm: float) -> None:
+    def _clip(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ over the whole model: the squared norms of all stages add up."""
         sq = torch.zeros((), device=self.device, dtype=torch.float32)
         for q in params:
             sq += q.grad.detach().float().pow(2).sum()
         dist.all_reduce(sq, group=self.pp_group)
-        coef = torch.clamp(max_norm / (sq.sqrt() + 1e-6), max=1.0)
+        norm = sq.sqrt()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for q in params:
             q.grad.mul_(coef.to(q.grad.dtype))
+        return norm
 
     def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Mean over replicas of the last stage's loss (other stages add zero). A collective."""
@@ -177,7 +191,11 @@ class MultiProcessPipelineEngine:
         """Mean validation loss; the replicas take turns over the fixed eval batches (all the same size)."""
         for mod in self.stage_mods:
             mod.eval()
-        self.loss_scale = 1.0 / self.M  # the micro-batch losses of one batch add up to its mean
+        if self.eval_schedule is None:
+            size = len(next(iter(self.val_loader))[0])  # every eval batch has this size
+            self.eval_m = max(m for m in range(1, min(self.M, size) + 1) if size % m == 0 and m % max(1, m // self.S) == 0)
+            self.eval_schedule = self._make_schedule(self.eval_m)
+        self.loss_scale = 1.0 / self.eval_m  # the (equal) micro-batch losses of one batch add up to its mean
         total = torch.zeros(2, device=self.device, dtype=torch.float64)
         for i, (x, y) in enumerate(self.val_loader):
             if i % self.dp_size != self.dp_rank:

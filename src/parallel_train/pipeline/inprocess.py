@@ -24,7 +24,7 @@ from torch import nn
 from parallel_train.config import Config
 from parallel_train.engine import DataParallelEngine
 from parallel_train.errors import UserError
-from parallel_train.losses import per_sample_loss
+from parallel_train.losses import loss_fn, per_sample_loss
 from parallel_train.pipeline.split import describe_stages, model_units, plan_stages
 from parallel_train.pipeline.timeline import Recorder, write_report
 
@@ -190,6 +190,10 @@ class InProcessPipelineEngine(DataParallelEngine):
         devices = resolve_devices(p.stage_devices, accelerator.local_process_index)
         stages = plan_stages(model, len(devices), p.split)
         self.cfg, self.accelerator, self.base, self.stages = cfg, accelerator, model, stages
+        self.loss_fn = loss_fn  # what DataParallelEngine.__init__ would set (train_step is inherited)
+        self.update_allowed = lambda loss, grad_norm: True  # the trainer installs its guard here
+        if getattr(cfg.train, "compile", False):
+            accelerator.print("notice: train.compile is not applied to a pipeline-split model; training uncompiled")
         self.recorder = Recorder()
         # On GPUs the host would wait for each timed flush; time one flush in ten there.
         self.pipe = PipelineModule(model, stages, devices, p.microbatches, self.recorder,

@@ -115,6 +115,10 @@ def _complete(model: nn.Module, stages: list[list[str]], units: dict[str, nn.Mod
             if name in owner:
                 raise UserError(f"parallel.split: {name!r} is in stage {owner[name]} and stage {s}; give each module to one stage")
             owner[name] = s
+    for group in getattr(model, "pipeline_groups", ()):
+        where = {owner[n] for n in group if n in owner}
+        if len(where) > 1:
+            raise UserError(f"parallel.split: {', '.join(group)} are used together by forward; put them in one stage")
     last_seen = -1
     for name in units:  # forward order
         if name in owner:
@@ -126,10 +130,6 @@ def _complete(model: nn.Module, stages: list[list[str]], units: dict[str, nn.Mod
             raise UserError(f"parallel.split: module {name!r} is in no stage; every part with parameters must be placed")
         else:
             owner[name] = max(last_seen, 0)  # dropout, activation: runs where its input is
-    for group in getattr(model, "pipeline_groups", ()):
-        where = {owner[n] for n in group if n in owner}
-        if len(where) > 1:
-            raise UserError(f"parallel.split: {', '.join(group)} are used together by forward; put them in one stage")
     return [sorted((n for n in units if owner[n] == s), key=order.get) for s in range(len(stages))]
 
 
