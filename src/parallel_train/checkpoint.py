@@ -132,9 +132,8 @@ def optimizer_state_by_name(model, optimizer) -> tuple[dict[str, torch.Tensor], 
     names = {id(p): n for n, p in model.named_parameters()}
     params = [p for g in optimizer.param_groups for p in g["params"]]
     sd = optimizer.state_dict()
-    if "state" not in sd:  # DeepSpeed ZeRO keeps flat partitions, not one state per parameter
-        raise UserError("checkpoint: this optimizer's state is not per-parameter (DeepSpeed ZeRO?); the template's "
-                        "name-keyed checkpoints need a torch optimizer: use accelerate_configs/fsdp.yaml for sharded training")
+    if "state" not in sd:  # DeepSpeed ZeRO keeps flat partitions, not one state per parameter: nothing to name
+        return {}, {"param_groups": [], "scalars": {}, "missing": "DeepSpeed ZeRO optimizer state (partitioned) is not saved"}
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, Any] = {}
     for idx, param_state in sd["state"].items():
@@ -153,6 +152,8 @@ def load_optimizer_by_name(model, optimizer, tensors: dict[str, torch.Tensor], m
     """Inverse of optimizer_state_by_name, for whichever parameters this optimizer holds."""
     names = {id(p): n for n, p in model.named_parameters()}
     sd = optimizer.state_dict()
+    if "missing" in meta or "state" not in sd:  # saved under DeepSpeed ZeRO, or loading into it: the optimizer starts fresh
+        return
     params = [p for g in optimizer.param_groups for p in g["params"]]
     state: dict[int, dict[str, Any]] = {}
     for idx, p in enumerate(params):

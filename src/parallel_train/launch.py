@@ -76,11 +76,16 @@ def make_accelerator(cfg: Config, notice) -> Accelerator:  # noqa: F821 (lazy im
     precision = requested_precision(cfg)
     if precision == "fp16" and not cuda:
         raise UserError("mixed precision fp16 needs a GPU (on CPU accelerate would silently train in fp32); use bf16 or no")
+    if cuda:
+        check_gpus_per_node(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count())
     if not cuda and not _env_true("ACCELERATE_USE_CPU") and (int(os.environ.get("WORLD_SIZE", "1")) > 1 or "ACCELERATE_DYNAMO_BACKEND" in os.environ):
         notice("no CUDA GPU found: running these processes on CPU (gloo backend) instead")
     for flag, what in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")):
         if _env_true(flag) and not cuda:
             notice(f"{what} needs GPUs; on CPU accelerate falls back to plain DDP, so this run is DDP, not {what}")
+    if _env_true("ACCELERATE_USE_DEEPSPEED") and cuda:
+        notice("DeepSpeed ZeRO: checkpoints hold the whole model but not the optimizer state (ZeRO partitions it); "
+               "a resumed run restarts the optimizer's moments. accelerate_configs/fsdp.yaml keeps them")
 
     log_with = None if cfg.tracker == "none" else cfg.tracker
     accelerator = Accelerator(
@@ -93,6 +98,14 @@ def make_accelerator(cfg: Config, notice) -> Accelerator:  # noqa: F821 (lazy im
     )
     check_world_size(accelerator)
     return accelerator
+
+
+def check_gpus_per_node(processes: int, gpus: int) -> None:
+    """One process per GPU: more processes than GPUs on a node would fail deep inside CUDA (invalid device ordinal)."""
+    if processes > gpus:
+        raise UserError(f"{processes} processes were started on this node but it has {gpus} GPU(s): start one process per GPU, "
+                        f"e.g. `accelerate launch --config_file accelerate_configs/multi_gpu.yaml --num_processes {gpus} train.py` "
+                        f"(on N nodes: --num_processes {gpus}xN)")
 
 
 def check_world_size(accelerator) -> None:
