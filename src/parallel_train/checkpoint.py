@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from parallel_train.errors import UserError
-from parallel_train.sharding import shard_like, to_full
+from parallel_train.sharding import is_sharded, shard_like, to_full
 
 PREFIX = "step_"
 MANIFEST = "manifest.json"
@@ -127,7 +127,7 @@ def optimizer_state_by_name(model, optimizer) -> tuple[dict[str, torch.Tensor], 
 
     Positions depend on how the model was cut (a pipeline stage holds a few parameters); names do not,
     so a checkpoint from any topology loads into any other. Sharded (FSDP2 DTensor) states are gathered
-    into whole tensors: a collective, every rank calls this.
+    into whole tensors (a collective: every rank calls this) and kept on global rank 0 only, which writes them.
     """
     names = {id(p): n for n, p in model.named_parameters()}
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -139,8 +139,12 @@ def optimizer_state_by_name(model, optimizer) -> tuple[dict[str, torch.Tensor], 
     for idx, param_state in sd["state"].items():
         name = names[id(params[idx])]
         for key, value in param_state.items():
-            if torch.is_tensor(value):
-                tensors[f"{name}/{key}"] = to_full(value).detach().contiguous().cpu()
+            if is_sharded(value):  # gather on every rank (a collective); only the writer keeps it, to spare host RAM
+                full = to_full(value)
+                if torch.distributed.get_rank() == 0:
+                    tensors[f"{name}/{key}"] = full.detach().contiguous().cpu()
+            elif torch.is_tensor(value):
+                tensors[f"{name}/{key}"] = value.detach().contiguous().cpu()
             else:
                 scalars[f"{name}/{key}"] = value
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(params[i])] for i in g["params"]]}
