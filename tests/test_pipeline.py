@@ -205,3 +205,31 @@ def test_world_size_not_divisible_by_stages(tmp_path):
     result = run(torchrun_cmd(2, *TINY, "parallel.pipeline_stages=3", f"output_dir={tmp_path / 'bad'}"), env=launch_env(tmp_path))
     assert result.returncode != 0
     assert "error: parallel.pipeline_stages=3 does not divide the world size 2" in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_data_parallel_x_multi_process_pipeline(reference):
+    """4 processes = 2 stages x 2 data-parallel replicas (mesh dp x pp), batch 4 each: the reference's 8 samples."""
+    out = reference / "mp_dp"
+    overrides = [o for o in SGD if not o.startswith("train.gradient_accumulation_steps")]
+    result = check(run(torchrun_cmd(4, *overrides, "parallel.pipeline_stages=2", "parallel.microbatches=2", "parallel.schedule=1f1b",
+                                    f"output_dir={out}"), env=launch_env(reference), timeout=600))
+    assert "2 data-parallel replicas" in result.output
+    assert_same_training(out, reference / "ref_sgd")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_pipelines_train_in_bf16(reference):
+    """bf16 autocast in both executors: close to the fp32 run (not equal: bf16 rounds)."""
+    env, ref = launch_env(reference), train_losses(reference / "ref_adam")
+    runs = {"bf16_inproc": train_cmd(*ADAM, "train.mixed_precision=bf16", "parallel.pipeline_stages=2", "parallel.stage_devices=[cpu,cpu]",
+                                     "parallel.microbatches=2", f"output_dir={reference / 'bf16_inproc'}"),
+            "bf16_mp": torchrun_cmd(2, *ADAM, "train.mixed_precision=bf16", "parallel.pipeline_stages=2", "parallel.microbatches=2",
+                                    f"output_dir={reference / 'bf16_mp'}")}
+    for name, cmd in runs.items():
+        result = check(run(cmd, env=env))
+        assert "precision bf16" in result.output
+        losses = train_losses(reference / name)
+        assert all(abs(losses[s] - ref[s]) < 0.05 for s in range(1, 7)), (name, losses, ref)

@@ -48,6 +48,9 @@ def check_layout(cfg: Config, world: int, precision: str) -> tuple[int, int]:
     if cfg.train.batch_size % p.microbatches:
         raise UserError(f"train.batch_size={cfg.train.batch_size} is not divisible by parallel.microbatches={p.microbatches}; "
                         "the micro-batches must be equal for the mean loss to match the unsplit model")
+    if p.schedule == "1f1b" and p.microbatches < S:
+        raise UserError(f"parallel.microbatches={p.microbatches}: 1f1b needs at least one micro-batch per stage ({S}); "
+                        "raise parallel.microbatches or use parallel.schedule=gpipe")
     if p.schedule == "interleaved1f1b" and p.microbatches % max(1, p.microbatches // S):
         raise UserError(f"parallel.microbatches={p.microbatches}: interleaved1f1b needs a multiple of parallel.pipeline_stages={S} "
                         f"(or fewer micro-batches than stages)")
@@ -90,7 +93,7 @@ class MultiProcessPipelineEngine:
         self._steps, self.profiling = 0, False
         self.is_first, self.is_last = 0 in self.stage_ids, (S * V - 1) in self.stage_ids
         self.loss_scale = 1.0 / (M * A)
-        self.schedule = self._make_schedule(M, timed=True)
+        self.schedule = self._make_schedule(M, p.schedule, timed=True)
         self.eval_schedule = None  # built at the first evaluation: its batches may have another size
 
         self.name = (f"multi-process pipeline (executor 2, torch.distributed.pipelining): {S} stage ranks"
@@ -99,7 +102,7 @@ class MultiProcessPipelineEngine:
         places = [f"rank {i % S}" for i in range(S * V)]
         accelerator.print(f"[parallel_train] pipeline split: {describe_stages(model, plan, places)}")
 
-    def _make_schedule(self, n_microbatches: int, timed: bool = False):
+    def _make_schedule(self, n_microbatches: int, name: str, timed: bool = False):
         """Stages over this rank's modules and the named schedule. Stages learn the activation shapes at
         their first step, so evaluation (another batch size) gets its own."""
         from torch.distributed.pipelining import PipelineStage, schedules
@@ -109,7 +112,7 @@ class MultiProcessPipelineEngine:
         for stage in stages if timed else ():
             stage.forward_one_chunk = self._timed(stage.forward_one_chunk, "F", stage.stage_index)
             stage.backward_one_chunk = self._timed(stage.backward_one_chunk, "B", stage.stage_index)
-        schedule_cls = getattr(schedules, SCHEDULES[self.cfg.parallel.schedule])
+        schedule_cls = getattr(schedules, SCHEDULES[name])
         scaled_loss = lambda out, y: loss_fn(out, y) * self.loss_scale  # noqa: E731 (see the module docstring)
         return schedule_cls(stages if self.V > 1 else stages[0], n_microbatches=n_microbatches, loss_fn=scaled_loss, scale_grads=False)
 
@@ -194,7 +197,8 @@ class MultiProcessPipelineEngine:
         if self.eval_schedule is None:
             size = len(next(iter(self.val_loader))[0])  # every eval batch has this size
             self.eval_m = max(m for m in range(1, min(self.M, size) + 1) if size % m == 0 and m % max(1, m // self.S) == 0)
-            self.eval_schedule = self._make_schedule(self.eval_m)
+            # Forward only: every schedule runs the same forwards; gpipe takes any number of micro-batches.
+            self.eval_schedule = self._make_schedule(self.eval_m, "interleaved1f1b" if self.V > 1 else "gpipe")
         self.loss_scale = 1.0 / self.eval_m  # the (equal) micro-batch losses of one batch add up to its mean
         total = torch.zeros(2, device=self.device, dtype=torch.float64)
         for i, (x, y) in enumerate(self.val_loader):
