@@ -7,6 +7,7 @@ multi_cpu.yaml (tests/test_training.py::test_two_gloo_processes_form_one_ddp_gro
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -256,6 +257,10 @@ def test_two_nodes_in_network_namespaces_over_a_veth_pair(tmp_path):
 
         pre = launch("scripts/check_env.py", "--sizes", "64K,4M", "--json", str(tmp_path / "preflight.json"))
         assert "[check_env] 2 rank(s) on 2 host(s)" in "".join(r.output for r in pre)
+        report = json.loads((tmp_path / "preflight.json").read_text())
+        seen = {r["host"]: r["GLOO_SOCKET_IFNAME"] for r in report["ranks"]}  # each node sees only its own end
+        assert seen == {n["host"]: f"{n['dev']} -> {n['dev']} {n['ip']}" for n in nodes}, seen
+        assert report["problems"] == [] and all(b["busbw_GBps"] > 0 for b in report["allreduce"])
         out = tmp_path / "out"
         logs = launch("train.py", *TINY, f"output_dir={out}")
         assert_finished(out, 2, logs)
