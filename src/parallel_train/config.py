@@ -41,6 +41,7 @@ class ModelConfig:
     dropout: float = opt(0.0, "dropout probability in [0, 1)")
     bias: bool = opt(True, "bias in Linear and LayerNorm layers")
     vocab_size: int = opt(0, "0: take it from the data; else pad the vocab up to this size")
+    activation_checkpointing: bool = opt(False, "recompute each block's activations in backward: less memory, about 1/3 more compute")
     in_features: int = opt(10, "mlp only: input width")
     hidden: int = opt(50, "mlp only: hidden width")
     out_features: int = opt(10, "mlp only: number of classes")
@@ -48,10 +49,11 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    path: str = opt(str(DEFAULT_CORPUS), "corpus: a local .txt/.json/.jsonl/.csv/.parquet file, a Hub dataset name, or 'random'")
+    path: str = opt(str(DEFAULT_CORPUS), "corpus: a local .txt/.json/.jsonl/.csv/.parquet file, a Hub dataset name, 'random' or 'synthetic' (random tokens, no download)")
+    tokenizer: str = opt("char", "char: one id per character of the corpus; byte: one id per UTF-8 byte (256 ids)", choices=("char", "byte"))
     text_column: str = opt("text", "column holding the text in json/csv/parquet/Hub datasets")
     val_fraction: float = opt(0.1, "share of the corpus held out for validation (the last part)")
-    num_samples: int = opt(64, "random data only: number of samples")
+    num_samples: int = opt(64, "random data: number of samples; synthetic data: tokens in the train split")
     num_workers: int = opt(0, "DataLoader worker processes per rank (0: load in the training process)")
 
 
@@ -73,6 +75,9 @@ class TrainConfig:
     seed: int = opt(1337, "seed for weights, data order and dropout")
     log_interval: int = opt(10, "optimizer steps between train log lines")
     mixed_precision: str = opt("auto", "auto: take it from the accelerate config/launcher", choices=("auto", "no", "bf16", "fp16"))
+    compile: bool = opt(False, "torch.compile the model (first steps compile, about 30 s; no gain measured on CPU)")
+    tf32: bool = opt(True, "GPU only: TF32 tensor cores for fp32 matmuls and convolutions")
+    peak_tflops: float = opt(0.0, "peak TFLOP/s of one device for MFU; 0: from the known-GPU table (env PEAK_TFLOPS also sets it)")
 
 
 @dataclass
@@ -163,6 +168,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if tp is str:
         if isinstance(value, (dict, list)):
             raise UserError(f"{key}: expected a string, got {value!r}")
+        if isinstance(value, bool):  # YAML 1.1 reads no/yes/off/on as booleans: `mixed_precision=no` means "no"
+            return "yes" if value else "no"
         return "none" if value is None else str(value)
     raise AssertionError(f"unsupported config type {tp}")  # a bug in this file, not user input
 
@@ -290,7 +297,7 @@ def validate(cfg: Config) -> None:
 
     for key in ("batch_size", "gradient_accumulation_steps", "max_steps", "log_interval"):
         _check(getattr(t, key) >= 1, f"train.{key}: must be >= 1, got {getattr(t, key)}")
-    for key in ("learning_rate", "min_lr", "weight_decay", "grad_clip"):
+    for key in ("learning_rate", "min_lr", "weight_decay", "grad_clip", "peak_tflops"):
         value = getattr(t, key)
         _check(math.isfinite(value) and value >= 0, f"train.{key}: must be a finite number >= 0, got {value}")
     _check(t.learning_rate > 0, "train.learning_rate: must be > 0")

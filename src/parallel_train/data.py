@@ -69,6 +69,7 @@ class CharVocab:
     """Character vocabulary built from the corpus (sorted, so the same corpus gives the same ids)."""
 
     chars: list[str]
+    kind = "char"  # a class attribute, not a field
 
     @classmethod
     def from_text(cls, text: str) -> CharVocab:
@@ -96,6 +97,26 @@ class CharVocab:
     @classmethod
     def load(cls, path: Path) -> CharVocab:
         return cls(json.loads(path.read_text())["chars"])
+
+
+class ByteVocab:
+    """One id per UTF-8 byte (data.tokenizer=byte): any text encodes, nothing to build or to save but the kind."""
+
+    kind, size = "byte", 256
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")  # padded ids have no byte
+
+    def to_json(self) -> str:
+        return json.dumps({"kind": "byte"})
+
+
+def load_vocab(path: Path) -> CharVocab | ByteVocab:
+    """The vocabulary a run saved in vocab.json, whichever tokenizer made it."""
+    return ByteVocab() if json.loads(path.read_text()).get("kind") == "byte" else CharVocab.load(path)
 
 
 # ---------------------------------------------------------------- datasets
@@ -191,11 +212,11 @@ class GlobalBatchSampler(Sampler[list[int]]):
 class Data:
     train_set: Dataset
     val_set: Dataset
-    vocab: CharVocab | None  # None for data without a character vocabulary
+    vocab: CharVocab | ByteVocab | None  # None for data without a vocabulary (random, synthetic)
     vocab_size: int
 
 
-def build_datasets(cfg: Config, vocab: CharVocab | None = None) -> Data:
+def build_datasets(cfg: Config, vocab: CharVocab | ByteVocab | None = None) -> Data:
     """Load and split the data. Pass the saved vocab when resuming so ids stay the same."""
     d, m = cfg.data, cfg.model
     if d.path == "random":
@@ -203,10 +224,15 @@ def build_datasets(cfg: Config, vocab: CharVocab | None = None) -> Data:
         val = RandomClassification(d.num_samples, m.in_features, m.out_features, seed=cfg.train.seed + 1)
         return Data(train, val, None, m.out_features)
 
+    if d.path == "synthetic":
+        return synthetic_data(cfg)
+
     text = load_corpus(d)
     if not text:
         raise UserError(f"data.path: {d.path!r} is empty")
-    vocab = vocab or CharVocab.from_text(text)
+    if vocab is not None and vocab.kind != d.tokenizer:
+        raise UserError(f"data.tokenizer: the resumed run used the {vocab.kind} tokenizer; resume with data.tokenizer={vocab.kind}")
+    vocab = vocab or (ByteVocab() if d.tokenizer == "byte" else CharVocab.from_text(text))
     try:
         ids = torch.from_numpy(vocab.encode(text))
     except ValueError:
@@ -219,6 +245,21 @@ def build_datasets(cfg: Config, vocab: CharVocab | None = None) -> Data:
                         f"need at least {need} for model.block_size={m.block_size}; use a longer corpus or a smaller block_size")
     vocab_size = max(vocab.size, m.vocab_size)
     return Data(TokenWindows(train_ids, m.block_size), TokenWindows(val_ids, m.block_size), vocab, vocab_size)
+
+
+def synthetic_data(cfg: Config) -> Data:
+    """Uniformly random token ids (data.path=synthetic): speed benchmarks with no download and no tokenizer.
+
+    The loss stays near ln(vocab_size): there is nothing to learn. The vocabulary is model.vocab_size
+    (or 256, the byte vocabulary); the train split holds data.num_samples tokens (at least two windows).
+    """
+    d, m = cfg.data, cfg.model
+    vocab_size = m.vocab_size or ByteVocab.size
+    g = torch.Generator().manual_seed(cfg.train.seed)
+    n_train = max(d.num_samples, m.block_size + 2)
+    n_val = max(int(n_train * d.val_fraction), m.block_size + 2)
+    ids = torch.randint(0, vocab_size, (n_train + n_val,), generator=g)
+    return Data(TokenWindows(ids[:n_train], m.block_size), TokenWindows(ids[n_train:], m.block_size), None, vocab_size)
 
 
 def train_loader(data: Data, cfg: Config, world_size: int, rank: int, start_step: int, pin_memory: bool) -> DataLoader:

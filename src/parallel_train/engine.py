@@ -29,6 +29,12 @@ class DataParallelEngine:
 
     def __init__(self, cfg: Config, accelerator, model: nn.Module, optimizer: torch.optim.Optimizer, val_loader):
         self.cfg, self.accelerator = cfg, accelerator
+        self.loss_fn = loss_fn
+        if cfg.train.compile:
+            # In place (nn.Module.compile): parameter names stay canonical for checkpoints; the loss is
+            # compiled too, so the float cast and log-softmax over the vocabulary fuse into one kernel.
+            model.compile()
+            self.loss_fn = torch.compile(loss_fn)
         self.model, self.optimizer, self.val_loader = accelerator.prepare(model, optimizer, val_loader)
         self.device = accelerator.device
         # Data parallelism: which shard of the global batch this process reads (data.py).
@@ -53,7 +59,7 @@ class DataParallelEngine:
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             # accumulate(): no DDP all-reduce until the last micro-step; backward() divides by A.
             with accelerator.accumulate(self.model):
-                loss = loss_fn(self.model(x), y)
+                loss = self.loss_fn(self.model(x), y)
                 accelerator.backward(loss)
             loss_sum += loss.detach()
             tokens += y.numel()

@@ -1,4 +1,4 @@
-"""Peak FLOP/s of known accelerators, for model FLOPs utilisation (MFU)."""
+"""Speed settings and the peak FLOP/s of known accelerators, for model FLOPs utilisation (MFU)."""
 
 from __future__ import annotations
 
@@ -6,22 +6,54 @@ import os
 
 import torch
 
-# Dense peak TFLOP/s (no sparsity) from the vendors' data sheets, per GPU.
+from parallel_train.config import TrainConfig
+
+# Dense peak TFLOP/s (no sparsity) from the vendors' data sheets, per GPU (SXM parts).
 PEAK_TFLOPS = {
-    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0},
-    "H100": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0},
-    "H200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},
+    "H200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},
 }
 
 
-def peak_flops(device: torch.device, precision: str) -> float | None:
-    """FLOP/s of one device at this precision; PEAK_TFLOPS env var overrides; None when unknown (e.g. CPU)."""
+def configure_backends(cfg: TrainConfig, device: torch.device) -> None:
+    """TF32 tensor cores for fp32 matmuls/convolutions on GPU (train.tf32): about 8x an fp32 matmul on
+    A100/H100 at a 10-bit mantissa, which training tolerates. Nothing to set on CPU."""
+    if device.type == "cuda":
+        precision = "tf32" if cfg.tf32 else "ieee"
+        torch.backends.cuda.matmul.fp32_precision = precision
+        torch.backends.cudnn.conv.fp32_precision = precision
+
+
+def peak_flops(device: torch.device, precision: str, cfg: TrainConfig) -> float | None:
+    """FLOP/s of one device at this precision: train.peak_tflops, else the PEAK_TFLOPS env var, else the
+    table above for a known GPU; None when unknown (e.g. a CPU without train.peak_tflops)."""
+    if cfg.peak_tflops > 0:
+        return cfg.peak_tflops * 1e12
     if os.environ.get("PEAK_TFLOPS"):
         return float(os.environ["PEAK_TFLOPS"]) * 1e12
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
+    kind = "bf16" if precision in ("bf16", "fp16") else "tf32" if cfg.tf32 else "fp32"
     for gpu, peaks in PEAK_TFLOPS.items():
         if gpu in name:
-            return peaks["bf16" if precision in ("bf16", "fp16") else "tf32"] * 1e12
+            return peaks[kind] * 1e12
     return None
+
+
+def mfu(flops_per_token: int | None, tokens_per_sec: float, peak: float | None, world_size: int) -> float | None:
+    """Share of the devices' peak FLOP/s the model's training FLOPs used (None when a term is unknown)."""
+    if not flops_per_token or not peak or not tokens_per_sec:
+        return None
+    return flops_per_token * tokens_per_sec / (peak * world_size)
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux /proc), so interpreter start-up and imports count too."""
+    try:
+        start_ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        uptime = float(open("/proc/uptime").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")

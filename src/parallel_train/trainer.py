@@ -18,13 +18,14 @@ from tqdm.auto import tqdm
 
 from parallel_train import checkpoint
 from parallel_train.config import Config, save_config
-from parallel_train.data import CharVocab, build_datasets, train_loader, val_loader
+from parallel_train.data import build_datasets, load_vocab, train_loader, val_loader
 from parallel_train.engine import build_engine
 from parallel_train.errors import UserError
 from parallel_train.launch import make_accelerator, topology
 from parallel_train.messages import train_line
 from parallel_train.models import build_model
 from parallel_train.optim import build_optimizer, build_scheduler
+from parallel_train.perf import configure_backends, mfu, peak_flops, process_age_s
 from parallel_train.plots import PICTURE, plot_runs
 from parallel_train.tracking import MetricsLog, finish_trackers, init_trackers, new_run_id, prepare_tracker_env
 
@@ -88,12 +89,13 @@ def run(cfg: Config, config_path: str | None) -> int:
 
     accelerator = make_accelerator(cfg, say)
     world, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
+    configure_backends(cfg.train, device)
     A = cfg.train.gradient_accumulation_steps
     say(f"[parallel_train] {topology(accelerator)} | world size {world} | device {device} | "
         f"precision {accelerator.mixed_precision} | config {config_path or 'defaults'} | output_dir {out} | tracker {tracker_word}")
 
     # ---- data (the vocab of a resumed run is reused, so token ids cannot shift)
-    vocab = CharVocab.load(resume_from / "vocab.json") if resume_from and (resume_from / "vocab.json").exists() else None
+    vocab = load_vocab(resume_from / "vocab.json") if resume_from and (resume_from / "vocab.json").exists() else None
     data = build_datasets(cfg, vocab)
 
     # ---- model, optimizer, schedule. Same seed on every rank: identical initial weights.
@@ -127,7 +129,7 @@ def run(cfg: Config, config_path: str | None) -> int:
     init_trackers(accelerator, cfg.tracker, cfg.to_dict(), out, state["run_id"])
 
     batches = TimedIterator(iter(train_loader(data, cfg, engine.dp_size, engine.dp_rank, start_step, pin_memory=device.type == "cuda")))
-    flops_per_token = engine.flops_per_token()
+    flops_per_token, peak = engine.flops_per_token(), peak_flops(device, accelerator.mixed_precision, cfg.train)
 
     def save_checkpoint(step: int) -> None:
         checkpoint.save(engine, ckpt_root, step, scheduler, state, config_yaml, vocab_json,
@@ -148,8 +150,8 @@ def run(cfg: Config, config_path: str | None) -> int:
         done = step + 1
         tokens_since += tokens * engine.dp_size
         pbar.update(1)
-        if first_step_s is None:
-            first_step_s = time.perf_counter() - t_start
+        if first_step_s is None:  # from the process's start: imports and set-up count
+            first_step_s = process_age_s() or time.perf_counter() - t_start
 
         if due(done, cfg.train.log_interval):
             # The only host-device sync of the step, and only on log steps: mean over ranks and micro-batches.
@@ -163,12 +165,7 @@ def run(cfg: Config, config_path: str | None) -> int:
             steps_in_interval = min(cfg.train.log_interval, done - start_step) or 1
             record = {"kind": "train", "step": done, "loss": train_loss, "lr": lr, "tokens_per_sec": tok_s,
                       "step_time_s": elapsed / steps_in_interval, "data_time_frac": min(1.0, batches.seconds / elapsed),
-                      "mfu": None}
-            if flops_per_token and device.type == "cuda":
-                from parallel_train.perf import peak_flops
-
-                peak = peak_flops(device, accelerator.mixed_precision)
-                record["mfu"] = flops_per_token * tok_s / (peak * world) if peak else None
+                      "mfu": mfu(flops_per_token, tok_s, peak, world)}
             metrics.log(record)
             pbar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{tok_s:,.0f}")
             say(train_line(record, cfg.train.max_steps))  # plain lines: the bar is off when stderr is not a terminal
@@ -207,6 +204,7 @@ def run(cfg: Config, config_path: str | None) -> int:
             "distributed_type": accelerator.distributed_type.value,
             "mixed_precision": accelerator.mixed_precision,
             "tokens_per_sec": (steady_tokens / steady_time) if steady_time else None,
+            "mfu": mfu(flops_per_token, steady_tokens / steady_time, peak, world) if steady_time else None,
             "wall_time_s": time.perf_counter() - t_start,
             "time_to_first_step_s": first_step_s,
             "resumed_from": str(resume_from) if resume_from else None,

@@ -18,6 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from parallel_train.config import ModelConfig
 
@@ -75,6 +76,7 @@ class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, vocab_size: int):
         super().__init__()
         self.block_size = cfg.block_size
+        self.activation_checkpointing = cfg.activation_checkpointing
         self.tok_emb = nn.Embedding(vocab_size, cfg.n_embd)
         self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
@@ -102,7 +104,12 @@ class GPT(nn.Module):
             pos = torch.arange(x.size(1), device=x.device)
             x = self.drop(self.tok_emb(x) + self.pos_emb(pos))
         for block in self.blocks.values():
-            x = block(x)
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                # Keep only the block's input; backward reruns its forward (same dropout masks: the RNG
+                # state is saved), trading about a third more compute for the block's activations.
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         if self.ln_f is not None:
             x = self.ln_f(x)
         if self.head is not None:

@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""The floor: a minimal hand-written training loop of the template's model, no framework.
+
+Same config keys, same model class, same initial weights, same batches (the template's global batch
+order), same AdamW groups and learning-rate schedule, same gradient clipping as `train.py`; no
+Accelerate, no DataLoader, no evaluation, no checkpoints, no trackers. `scripts/benchmark.py` runs it
+side by side with `train.py` to measure what the template costs. Single process, character corpus only.
+
+    python scripts/bare_loop.py --config configs/shakespeare_char_cpu.yaml train.max_steps=300
+
+Prints one JSON line: steady-state tokens/s (first log interval left out, as train.py does) and the
+loss at every log step (these match train.py's metrics.jsonl: same data, same arithmetic).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from parallel_train.config import load_config  # noqa: E402
+from parallel_train.data import GlobalBatchSampler  # noqa: E402
+from parallel_train.models.gpt import GPT  # noqa: E402
+from parallel_train.optim import build_optimizer, lr_at  # noqa: E402
+
+
+def main(argv: list[str]) -> None:
+    cfg, _ = load_config(argv)
+    m, t = cfg.model, cfg.train
+    text = Path(cfg.data.path).read_text(encoding="utf-8")
+    chars = sorted(set(text))
+    lookup = {c: i for i, c in enumerate(chars)}
+    ids = torch.tensor([lookup[c] for c in text], dtype=torch.long)
+    train_ids = ids[: len(ids) - int(len(ids) * cfg.data.val_fraction)]
+    offsets = torch.arange(m.block_size + 1)
+    sampler = GlobalBatchSampler(len(train_ids) - m.block_size, t.batch_size, 1, 0, t.seed)
+
+    torch.manual_seed(t.seed)
+    model = GPT(m, max(len(chars), m.vocab_size))
+    optimizer = build_optimizer(model, t)
+    model.train()
+
+    losses, t_steady = {}, None
+    for step in range(t.max_steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, t)
+        for micro in range(t.gradient_accumulation_steps):
+            windows = train_ids[torch.as_tensor(sampler.indices_at(step * t.gradient_accumulation_steps + micro)).unsqueeze(1) + offsets]
+            x, y = windows[:, :-1], windows[:, 1:]
+            logits = model(x)
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / t.gradient_accumulation_steps
+            loss.backward()
+        if t.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        done = step + 1
+        if done % t.log_interval == 0 or done == t.max_steps:
+            losses[done] = loss.item() * t.gradient_accumulation_steps  # the only sync, as in train.py
+            if t_steady is None:
+                t_steady = time.perf_counter()  # the first interval holds warm-up; leave it out
+    elapsed = time.perf_counter() - t_steady
+    steady_steps = t.max_steps - t.log_interval
+    tok_s = steady_steps * t.batch_size * t.gradient_accumulation_steps * m.block_size / elapsed
+    print(json.dumps({"tokens_per_sec": tok_s, "step_time_s": elapsed / steady_steps, "losses": losses}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

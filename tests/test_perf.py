@@ -1,0 +1,160 @@
+"""Speed features, MFU, byte/synthetic data, and the benchmark scripts (issue 6).
+
+Speed itself is measured by scripts/benchmark.py and recorded in docs/BENCHMARKS.md, never asserted here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from helpers import PYTHON, REPO, TINY, check, launch_env, read_metrics, run, summary, train_cmd
+from parallel_train.config import Config, load_config
+from parallel_train.data import ByteVocab, CharVocab, build_datasets, load_vocab
+from parallel_train.errors import UserError
+from parallel_train.models.gpt import GPT
+from parallel_train.perf import mfu, peak_flops, process_age_s
+
+
+def test_speed_config_keys_parse_and_validate():
+    cfg, _ = load_config(["train.compile=true", "model.activation_checkpointing=true", "train.peak_tflops=312",
+                          "train.tf32=false", "data.tokenizer=byte", "data.path=synthetic", "train.mixed_precision=no"])
+    assert cfg.train.compile and cfg.model.activation_checkpointing and not cfg.train.tf32
+    assert (cfg.train.peak_tflops, cfg.data.tokenizer, cfg.data.path) == (312.0, "byte", "synthetic")
+    assert cfg.train.mixed_precision == "no"  # YAML reads a bare `no` as False; the str field keeps "no"
+    assert not Config().train.compile and not Config().model.activation_checkpointing  # off by default
+    for bad, key in (("data.tokenizer=bpe", "data.tokenizer"), ("train.peak_tflops=-1", "train.peak_tflops"),
+                     ("train.compile=maybe", "train.compile")):
+        with pytest.raises(UserError, match=key):
+            load_config([bad])
+    for name in ("configs/gpt2_124m.yaml", "configs/shakespeare_char_cpu.yaml"):
+        load_config(["--config", str(REPO / name)])  # both shipped configs validate
+
+
+def test_gpt2_config_has_the_gpt2_small_shape():
+    cfg, _ = load_config(["--config", str(REPO / "configs/gpt2_124m.yaml")])
+    m = cfg.model
+    assert (m.n_layer, m.n_head, m.n_embd, m.block_size, m.vocab_size) == (12, 12, 768, 1024, 50304)
+    assert cfg.data.path == "synthetic"
+    with torch.device("meta"):  # no memory: count the parameters only
+        model = GPT(m, m.vocab_size)
+    n = sum(p.numel() for p in model.parameters())
+    assert 120e6 < n - model.head.weight.numel() < 130e6  # 124M as GPT-2 counts it (head tied to the embedding)
+
+
+def test_byte_tokenizer_and_synthetic_data(tmp_path):
+    text = "héllo wörld, ünïcode ✓\n" * 40
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(text, encoding="utf-8")
+    cfg, _ = load_config([f"data.path={corpus}", "data.tokenizer=byte", "model.block_size=16", "model.vocab_size=300"])
+    data = build_datasets(cfg)
+    assert isinstance(data.vocab, ByteVocab) and data.vocab_size == 300  # 256 bytes padded up to model.vocab_size
+    ids = data.vocab.encode(text)
+    assert len(ids) == len(text.encode("utf-8")) and data.vocab.decode(ids.tolist()) == text
+    (tmp_path / "vocab.json").write_text(data.vocab.to_json())
+    assert isinstance(load_vocab(tmp_path / "vocab.json"), ByteVocab)
+    (tmp_path / "char.json").write_text(CharVocab.from_text("ab").to_json())
+    assert load_vocab(tmp_path / "char.json") == CharVocab(["a", "b"])
+    with pytest.raises(UserError, match="data.tokenizer"):  # resuming a char run with the byte tokenizer
+        build_datasets(cfg, CharVocab.from_text(text))
+
+    cfg, _ = load_config(["data.path=synthetic", "model.block_size=32", "model.vocab_size=1000", "data.num_samples=5000"])
+    a, b = build_datasets(cfg), build_datasets(cfg)
+    assert a.vocab is None and a.vocab_size == 1000
+    assert len(a.train_set) == 5000 - 32 and torch.equal(a.train_set.ids, b.train_set.ids)  # seeded
+    x, y = a.train_set.__getitems__([0, 7])
+    assert x.shape == (2, 32) and int(x.max()) < 1000 and torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_activation_checkpointing_gives_identical_loss_and_gradients():
+    cfg, _ = load_config(["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16", "model.dropout=0.1"])
+    grads, losses = [], []
+    for ckpt in (False, True):
+        cfg.model.activation_checkpointing = ckpt
+        torch.manual_seed(0)
+        model = GPT(cfg.model, 50)
+        x = torch.randint(0, 50, (4, 16))
+        torch.manual_seed(1)  # same dropout masks; checkpoint replays them in the recomputation
+        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert losses[0] == losses[1]
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_peak_flops_and_mfu(monkeypatch):
+    cfg, _ = load_config([])
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("PEAK_TFLOPS", raising=False)
+    assert peak_flops(cpu, "no", cfg.train) is None  # unknown on CPU: MFU stays null
+    monkeypatch.setenv("PEAK_TFLOPS", "2")
+    assert peak_flops(cpu, "no", cfg.train) == 2e12
+    cfg.train.peak_tflops = 3.0  # the config key wins over the environment variable
+    assert peak_flops(cpu, "bf16", cfg.train) == 3e12
+    assert mfu(1000, 1e9, 4e12, 2) == pytest.approx(0.125)
+    assert mfu(None, 1e9, 4e12, 1) is None and mfu(1000, 1e9, None, 1) is None
+    assert 0 < process_age_s() < 3600
+
+
+def test_run_reports_speed_metrics_with_activation_checkpointing(tmp_path):
+    """One real launch: synthetic data, activation checkpointing, a peak set by config -> MFU everywhere."""
+    out = tmp_path / "run"
+    check(run(train_cmd(*TINY, "data.path=synthetic", "model.vocab_size=128", "data.num_samples=4000",
+                        "model.activation_checkpointing=true", "train.peak_tflops=0.05", f"output_dir={out}"),
+              env=launch_env(tmp_path)))
+    train = [r for r in read_metrics(out) if r["kind"] == "train"]
+    for r in train:
+        assert r["tokens_per_sec"] > 0 and r["step_time_s"] > 0 and 0 <= r["data_time_frac"] <= 1 and r["mfu"] > 0
+    s = summary(out)
+    assert s["mfu"] > 0 and s["tokens_per_sec"] > 0 and s["peak_memory_mb"] > 0
+    assert s["time_to_first_step_s"] > 1  # from process start: the interpreter and torch import count
+
+
+@pytest.mark.slow
+def test_compile_switch_trains_like_eager(tmp_path):
+    """torch.compile on CPU: about 30 s of compilation, so not in the default suite."""
+    losses = {}
+    for flag in ("false", "true"):
+        out = tmp_path / flag
+        check(run(train_cmd(*TINY, f"train.compile={flag}", "eval.interval=0", f"output_dir={out}"),
+                  env=launch_env(tmp_path), timeout=900))
+        losses[flag] = [r["loss"] for r in read_metrics(out) if r["kind"] == "train"]
+    assert losses["true"] == pytest.approx(losses["false"], rel=1e-3, abs=1e-4)
+    from safetensors.torch import load_file
+
+    assert not any("_orig_mod" in k for k in load_file(str(tmp_path / "true" / "model.safetensors")))  # canonical names
+
+
+def test_benchmark_cli_and_bare_loop_match_train_py(tmp_path):
+    """`benchmark.py --help`, then a micro run: the bare loop and train.py see the same batches."""
+    r = check(run([PYTHON, "scripts/benchmark.py", "--help"], timeout=60))
+    assert "--quick" in r.stdout and "--update-docs" in r.stdout
+    bad = run([PYTHON, "scripts/benchmark.py", "--cells", "nope"], timeout=60)
+    assert bad.returncode == 2 and "unknown cells" in bad.stderr
+    out = tmp_path / "bench"
+    check(run([PYTHON, "scripts/benchmark.py", "--cells", "bare,template", "--steps", "20", "--repeats", "1",
+               "--out", str(out)], env=launch_env(tmp_path), timeout=600))
+    result = json.loads((out / "benchmark.json").read_text())
+    target = result["targets"]["template_vs_bare"]
+    assert target["max_loss_gap"] < 1e-4  # same weights, same batches, same optimizer: the same losses
+    assert target["median_of_paired_ratios"] > 0
+    assert "| bare |" in (out / "benchmark.md").read_text()
+
+
+@pytest.mark.multiprocess
+def test_gpu_bench_dry_run_end_to_end(tmp_path):
+    """scripts/gpu_bench.sh --dry-run on CPU: environment check, 1 and 2 processes, bf16 and fp32, the table."""
+    out = tmp_path / "gpu_bench"
+    env = launch_env(tmp_path, COMPILE_MODES="false", PYTHON=PYTHON)  # compile rows: see the slow test above
+    r = check(run(["bash", "scripts/gpu_bench.sh", "--dry-run", "--out", str(out)], env=env, timeout=600))
+    assert "== environment" in r.stdout and "DRY RUN" in r.stdout
+    cells = json.loads((out / "gpu_bench.json").read_text())["cells"]
+    assert {(c["devices"], c["precision"]) for c in cells} == {(1, "bf16"), (1, "no"), (2, "bf16"), (2, "no")}
+    assert all(c["status"] == "ok" and c["tokens_per_sec"] > 0 for c in cells)
+    assert (out / "gpu_bench.md").read_text().count("| ok |") == 4
+    assert os.access(REPO / "scripts" / "gpu_bench.sh", os.X_OK)
