@@ -51,6 +51,7 @@ class ModelConfig:
 class DataConfig:
     path: str = opt(str(DEFAULT_CORPUS), "corpus: a local .txt/.json/.jsonl/.csv/.parquet file, a Hub dataset name, 'random' or 'synthetic' (random tokens, no download)")
     tokenizer: str = opt("char", "char: one id per character of the corpus; byte: one id per UTF-8 byte (256 ids)", choices=("char", "byte"))
+    source: str = opt("text", "data loader (see parallel_train/data_sources.py): text reads data.path; add your own there")
     text_column: str = opt("text", "column holding the text in json/csv/parquet/Hub datasets")
     val_fraction: float = opt(0.1, "share of the corpus held out for validation (the last part)")
     num_samples: int = opt(64, "random data: number of samples; synthetic data: tokens in the train split")
@@ -291,6 +292,9 @@ def validate(cfg: Config) -> None:
     _check(m.vocab_size >= 0, f"model.vocab_size: must be >= 0, got {m.vocab_size}")
 
     _check(bool(d.path), "data.path: must not be empty")
+    from parallel_train.data_sources import DATA_SOURCES  # late: imports torch
+
+    _check(d.source in DATA_SOURCES, f"data.source: unknown data source {d.source!r}; known: {', '.join(sorted(DATA_SOURCES))}")
     _check(0.0 < d.val_fraction < 1.0, f"data.val_fraction: must be in (0, 1), got {d.val_fraction}")
     _check(d.num_samples >= 1, f"data.num_samples: must be >= 1, got {d.num_samples}")
     _check(d.num_workers >= 0, f"data.num_workers: must be >= 0, got {d.num_workers}")

@@ -11,13 +11,13 @@ step k needs nothing but k.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from parallel_train.config import Config, DataConfig
 from parallel_train.errors import UserError
@@ -35,8 +35,10 @@ def load_corpus(cfg: DataConfig) -> str:
     datasets.disable_progress_bars()
     path = Path(cfg.path)
     try:
-        if path.suffix.lower() in LOCAL_FORMATS or path.exists():
-            if path.is_dir() or not path.is_file():
+        if path.is_dir():  # a dataset folder laid out like a Hub repo (e.g. from `hf download --repo-type dataset`)
+            ds = datasets.load_dataset(str(path), split="train")
+        elif path.suffix.lower() in LOCAL_FORMATS or path.exists():
+            if not path.is_file():
                 raise UserError(f"data.path: no such file {cfg.path!r} (give a .txt/.json/.jsonl/.csv/.parquet file)")
             fmt = LOCAL_FORMATS.get(path.suffix.lower(), "text")
             if fmt == "text":
@@ -214,11 +216,24 @@ class Data:
     val_set: Dataset
     vocab: CharVocab | ByteVocab | None  # None for data without a vocabulary (random, synthetic)
     vocab_size: int
+    # Turns a list of samples into the (inputs, targets) batch the engine expects. None: the datasets
+    # above batch themselves (__getitems__); any other dataset gets torch's default_collate.
+    collate: Callable[[list], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
+def collate_fn(data: Data, dataset: Dataset) -> Callable:
+    if data.collate is not None:
+        return data.collate
+    return keep_batch if hasattr(dataset, "__getitems__") else default_collate
 
 
 def build_datasets(cfg: Config, vocab: CharVocab | ByteVocab | None = None) -> Data:
     """Load and split the data. Pass the saved vocab when resuming so ids stay the same."""
     d, m = cfg.data, cfg.model
+    if d.source != "text":  # a loader of your own, registered in data_sources.py
+        from parallel_train.data_sources import DATA_SOURCES  # late: data_sources imports this module
+
+        return DATA_SOURCES[d.source](cfg, vocab)
     if d.path == "random":
         train = RandomClassification(d.num_samples, m.in_features, m.out_features, seed=cfg.train.seed)
         val = RandomClassification(d.num_samples, m.in_features, m.out_features, seed=cfg.train.seed + 1)
@@ -268,7 +283,7 @@ def train_loader(data: Data, cfg: Config, world_size: int, rank: int, start_step
                                  start_micro_step=start_step * cfg.train.gradient_accumulation_steps)
     # Its own generator: creating the iterator must not draw from the global RNG (dropout's), or a
     # resumed run would drift from an uninterrupted one.
-    return DataLoader(data.train_set, batch_sampler=sampler, collate_fn=keep_batch, num_workers=cfg.data.num_workers,
+    return DataLoader(data.train_set, batch_sampler=sampler, collate_fn=collate_fn(data, data.train_set), num_workers=cfg.data.num_workers,
                       pin_memory=pin_memory, persistent_workers=cfg.data.num_workers > 0,
                       generator=torch.Generator().manual_seed(cfg.train.seed))
 
@@ -285,5 +300,5 @@ def val_loader(data: Data, cfg: Config) -> DataLoader:
     n = len(data.val_set)
     indices = torch.randperm(n, generator=g)[:n_eval] if n >= n_eval else torch.randint(0, n, (n_eval,), generator=g)
     subset = torch.utils.data.Subset(data.val_set, indices.tolist())
-    return DataLoader(subset, batch_size=batch_size, shuffle=False, collate_fn=keep_batch,
+    return DataLoader(subset, batch_size=batch_size, shuffle=False, collate_fn=collate_fn(data, data.val_set),
                       generator=torch.Generator().manual_seed(cfg.train.seed))

@@ -1,0 +1,22 @@
+"""Data registry: `data.source` -> a loader `(Config, saved vocab or None) -> Data`.
+
+`text` (the default) is data.py's `build_datasets`: data.path names a .txt/.json/.jsonl/.csv/.parquet
+file, a Hub dataset (or a folder laid out like one), 'random' or 'synthetic'.
+
+To train on data of your own: write a loader in its own module (e.g. `parallel_train/dialogue_data.py`)
+that returns a `Data` (train and validation datasets whose batches are (inputs, targets), the
+vocabulary, the vocabulary size or number of classes, and optionally a collate function), import it
+here and add one line to DATA_SOURCES. docs/readme/customize.md walks through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from parallel_train.config import Config
+from parallel_train.data import Data, build_datasets
+
+DATA_SOURCES: dict[str, Callable[[Config, Any], Data]] = {
+    "text": build_datasets,
+}

@@ -1,0 +1,203 @@
+"""docs/readme/customize.md, done exactly as written, in a copy of the repository: the guide cannot rot.
+
+The guide's code blocks say where they go on their first line, which this test follows:
+    # new file: PATH                  the block is the whole new file
+    # PATH: add to NAME               imports join the file's imports; the other lines go at the end of
+    # PATH: add to class NAME         the dict literal NAME = {...} / the body of class NAME
+    # PATH: add at the end            imports join the file's imports; the other lines are appended
+    # PATH: replace NAME              the block replaces the top-level function NAME
+Its ```bash commands run in the copy, in order, after the blocks of their section; training commands get
+tiny sizes appended (helpers.TINY) and torchrun a free port. Lines marked `# needs the Hub` are skipped.
+Section 2's data files are the user's own; the test writes small ones where the guide says they are.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from helpers import ACCELERATE, PYTHON, REPO, TINY, TORCHRUN, check, free_port, launch_env, read_metrics, run
+
+pytestmark = pytest.mark.multiprocess
+
+GUIDE = REPO / "docs" / "readme" / "customize.md"
+FENCE = re.compile(r"^```(\w+)\n(.*?)^```$", re.S | re.M)
+SKIPPED = "# needs the Hub"
+
+
+# ---------------------------------------------------------------- reading the guide
+
+
+def sections(text: str) -> list[tuple[str, list[tuple[str, str]]]]:
+    """[(heading, [(language, code), ...]), ...] for every ### / #### heading, in order."""
+    parts = re.split(r"^#{3,4} (.+)$", text, flags=re.M)
+    return [(heading, FENCE.findall(body)) for heading, body in zip(parts[1::2], parts[2::2], strict=True)]
+
+
+def is_import(line: str) -> bool:
+    return line.startswith(("import ", "from "))
+
+
+# ---------------------------------------------------------------- applying a block
+
+
+def split_imports(lines: list[str]) -> tuple[list[str], list[str]]:
+    imports = [line for line in lines if is_import(line)]
+    rest = [line for line in lines if not is_import(line)]
+    while rest and not rest[0].strip():
+        rest.pop(0)
+    return imports, rest
+
+
+def add_imports(source: list[str], imports: list[str]) -> list[str]:
+    """Insert after the file's last top-level import (before any code that follows it)."""
+    last = max(i for i, line in enumerate(source) if is_import(line))
+    return source[: last + 1] + imports + source[last + 1 :]
+
+
+def end_of_block(source: list[str], start: int) -> int:
+    """Index just past the last non-blank line of the top-level statement starting at `start`."""
+    end = start + 1
+    while end < len(source) and (not source[end].strip() or source[end][0] in " \t)]}"):
+        end += 1
+    while not source[end - 1].strip():
+        end -= 1
+    return end
+
+
+def apply_block(root: Path, code: str) -> str:
+    """Apply one code block to the copy; returns the path it changed."""
+    header, *lines = code.rstrip("\n").split("\n")
+    if m := re.fullmatch(r"# new file: (\S+)", header):
+        path = root / m.group(1)
+        assert not path.exists(), f"the guide creates {m.group(1)}, which already exists"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(lines) + "\n")
+        return m.group(1)
+    m = re.fullmatch(r"# (\S+): (add to class|add to|add at the end|replace) ?(\w*)", header)
+    assert m, f"a code block of the guide does not say where it goes: {header!r}"
+    rel, action, name = m.groups()
+    path = root / rel
+    source = path.read_text().rstrip("\n").split("\n")
+    imports, rest = split_imports(lines)
+    if action == "replace":
+        start = next(i for i, line in enumerate(source) if line.startswith(f"def {name}("))
+        source[start : end_of_block(source, start)] = rest
+    elif action == "add at the end":
+        source += ["", ""] + rest
+    else:
+        pattern = rf"class {name}\b.*:$" if action == "add to class" else rf"{name}\b.*= \{{$"
+        start = next(i for i, line in enumerate(source) if re.match(pattern, line))
+        end = end_of_block(source, start)
+        at = end - 1 if source[end - 1] == "}" else end  # inside the braces of a dict literal
+        source[at:at] = rest
+    if imports:
+        source = add_imports(source, imports)
+    path.write_text("\n".join(source) + "\n")
+    return rel
+
+
+# ---------------------------------------------------------------- running a command
+
+
+def command(line: str) -> list[str]:
+    """The guide's command line, with this venv's executables, tiny sizes and a free port."""
+    args = shlex.split(line, comments=True)
+    if args[0] == "python":
+        args[0] = PYTHON
+    elif args[0] == "accelerate":
+        args[0] = ACCELERATE
+    elif args[0] == "torchrun":
+        args = [TORCHRUN, "--master-port", str(free_port()), *args[1:]]
+    else:
+        raise AssertionError(f"the guide runs {args[0]!r}; teach this test how to run it")
+    if "train.py" in args:
+        args += TINY
+    return args
+
+
+# ---------------------------------------------------------------- the user's own data files
+
+
+def write_user_data(root: Path) -> None:
+    """data/dialogue.tsv (speaker<TAB>text) and data/my_dataset (a Hub-style dataset folder, column `content`)."""
+    import datasets
+
+    speaker, rows = "chorus", []
+    for line in (REPO / "data" / "tinyshakespeare.txt").read_text().splitlines()[:1500]:
+        if re.fullmatch(r"[A-Za-z ]+:", line):
+            speaker = line[:-1].lower()
+        elif line.strip():
+            rows.append(f"{speaker}\t{line}")
+    (root / "data" / "dialogue.tsv").write_text("\n".join(rows) + "\n")
+    folder = root / "data" / "my_dataset" / "data"
+    folder.mkdir(parents=True)
+    paragraphs = (REPO / "data" / "tinyshakespeare.txt").read_text()[:40_000].split("\n\n")
+    datasets.Dataset.from_dict({"id": list(range(len(paragraphs))), "content": paragraphs}).to_parquet(
+        str(folder / "train-00000-of-00001.parquet")
+    )
+    (root / "data" / "my_dataset" / "README.md").write_text("---\nlicense: mit\n---\n# my dataset\n")
+
+
+def copy_repo(dest: Path) -> Path:
+    """The files a clone has (tracked or not ignored), without .venv, runs, .git: the user's starting point."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    for rel in filter(None, listed.decode().split("\0")):
+        src = REPO / rel
+        if src.is_file() and not rel.startswith((".venv/", "runs/", ".git/")):
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+    return dest
+
+
+# ---------------------------------------------------------------- the test
+
+
+def test_customize_guide_as_written_trains_on_two_processes(tmp_path):
+    root = copy_repo(tmp_path / "clone")
+    write_user_data(root)
+    env = launch_env(tmp_path)
+    guide = sections(GUIDE.read_text())
+    changed, ran, skipped = [], {}, 0
+    for heading, blocks in guide:
+        for language, code in blocks:
+            if language == "python":
+                changed.append(apply_block(root, code))
+            elif language == "bash":
+                for line in filter(str.strip, code.splitlines()):
+                    if SKIPPED in line:
+                        skipped += 1
+                        continue
+                    result = check(run(command(line), env=env, cwd=root, timeout=420))
+                    ran[line] = result
+                    assert "Traceback" not in result.output, (heading, line, result.output[-3000:])
+    assert skipped == 1 and len(ran) == 6, list(ran)
+    assert changed.count("src/parallel_train/data_sources.py") == 2 and "src/parallel_train/losses.py" in changed
+
+    # What each run shows a user: their model and data trained, on 2 processes, and text came out.
+    runs = root / "runs"
+    for name in ("char_rnn", "char_rnn_pipeline", "dialogue", "hub_folder", "utterances"):
+        summary = json.loads((runs / name / "summary.json").read_text())
+        assert summary["world_size"] == 2 and (runs / name / "metrics.png").is_file(), name
+        losses = [r["loss"] for r in read_metrics(runs / name) if r["kind"] == "train"]
+        assert losses[-1] < losses[0], (name, losses)
+    config = (runs / "char_rnn" / "config.yaml").read_text()
+    assert "name: char_rnn" in config and "rnn_residual: true" in config
+    pipeline_log = next(r.output for line, r in ran.items() if "pipeline_stages=2" in line)
+    assert "emb" in pipeline_log and "layers.0" in pipeline_log and "head" in pipeline_log
+    sample = next(r.stdout for line, r in ran.items() if "sample.py" in line)
+    assert sample.startswith("ROMEO:") and len(sample.rstrip("\n")) == len("ROMEO:") + 200
+    vocab = json.loads((runs / "dialogue" / "vocab.json").read_text())["chars"]
+    assert set("ROMEO: ") <= set(vocab)  # upper-cased speakers from the dialogue loader
+
+    # The new key is typed and documented like the others; the new names are validated like the others.
+    help_text = check(run([PYTHON, "train.py", "--help"], cwd=root, env=env, timeout=60)).stdout
+    assert re.search(r"model\.rnn_residual\s+bool\s+default True\s+char_rnn only", help_text)
+    bad = run([PYTHON, "train.py", "data.source=dialog"], cwd=root, env=env, timeout=60)
+    assert bad.returncode == 2 and "known: dialogue, text, utterances" in bad.stderr
