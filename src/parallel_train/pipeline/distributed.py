@@ -74,6 +74,8 @@ class MultiProcessPipelineEngine:
         self.S, self.M, self.V, self.world, self.rank = S, M, V, world, rank
         self.dp_size, self.dp_rank, self.pp_rank = D, rank // S, rank % S
 
+        if getattr(cfg.train, "compile", False):
+            accelerator.print("notice: train.compile is not applied to pipeline stages; training uncompiled")
         self._flops = model.flops_per_token() if hasattr(model, "flops_per_token") else None
         self.canonical_keys = list(model.state_dict().keys())
         plan = plan_stages(model, S * V, p.split)

@@ -109,6 +109,7 @@ def write_report(flushes: list[list[Span]], row_labels: list[str], microbatches:
         draw(flushes[-1], row_labels, path, f"{title}\nbubble measured {measured:.0%} (mean of {len(flushes)} flushes), "
              f"ideal {result['pipeline_bubble_ideal']:.0%}")
         result["pipeline_timeline"] = path.name
-        say(f"[parallel_train] pipeline bubble: measured {measured:.1%}, ideal (S-1)/(M+S-1) = {result['pipeline_bubble_ideal']:.1%} "
+        formula = "(S-1)/(M+S-1)" if stages_per_row == 1 else f"(S-1)/(V*M+S-1), V={stages_per_row},"
+        say(f"[parallel_train] pipeline bubble: measured {measured:.1%}, ideal {formula} = {result['pipeline_bubble_ideal']:.1%} "
             f"(S={len(row_labels)}, M={microbatches}); schedule picture: {path}")
     return result
