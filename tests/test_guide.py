@@ -147,7 +147,11 @@ def write_user_data(root: Path) -> None:
 
 def copy_repo(dest: Path) -> Path:
     """The files a clone has (tracked or not ignored), without .venv, runs, .git: the user's starting point."""
-    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    try:
+        listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout (e.g. an unpacked release)
+        shutil.copytree(REPO, dest, ignore=shutil.ignore_patterns(".venv", "runs", ".git", "__pycache__", ".pytest_cache", ".ruff_cache"))
+        return dest
     for rel in filter(None, listed.decode().split("\0")):
         src = REPO / rel
         if src.is_file() and not rel.startswith((".venv/", "runs/", ".git/")):
