@@ -79,6 +79,7 @@ def draw(spans: list[Span], row_labels: list[str], path: Path, title: str) -> No
     from matplotlib.patches import Patch
 
     t0 = min(s[4] for s in spans)
+    span_ms = (max(s[5] for s in spans) - t0) * 1e3
     multi_stage = len({s[1] for s in spans}) > len(row_labels)
     fig, ax = plt.subplots(figsize=(12, 0.7 * len(row_labels) + 2.0))
     colors = {"F": "#4c72b0", "B": "#dd8452"}
@@ -86,7 +87,8 @@ def draw(spans: list[Span], row_labels: list[str], path: Path, title: str) -> No
         left, width = (a - t0) * 1e3, (b - a) * 1e3
         ax.barh(row, width, left=left, height=0.8, color=colors[kind], edgecolor="black", linewidth=0.4)
         label = f"{kind}{mb}" if not multi_stage else f"{kind}{mb}s{stage}"
-        ax.text(left + width / 2, row, label, ha="center", va="center", fontsize=7, color="white", clip_on=True)
+        if width > span_ms * 0.012 * len(label):  # a label only where it fits
+            ax.text(left + width / 2, row, label, ha="center", va="center", fontsize=7, color="white", clip_on=True)
     ax.set_yticks(range(len(row_labels)), row_labels)
     ax.invert_yaxis()
     ax.set_xlabel("time in the step (ms)")
