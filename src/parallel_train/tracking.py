@@ -9,18 +9,37 @@ from __future__ import annotations
 import json
 import netrc
 import os
+import socket
+import urllib.parse
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from parallel_train.errors import UserError, is_first_process
+
+
+def wandb_server() -> tuple[str, int]:
+    """Host and port of the wandb server (WANDB_BASE_URL, default https://api.wandb.ai)."""
+    url = urllib.parse.urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"))
+    return url.hostname or "api.wandb.ai", url.port or (80 if url.scheme == "http" else 443)
 
 
 def wandb_has_credentials() -> bool:
     if os.environ.get("WANDB_API_KEY"):
         return True
     try:
-        return netrc.netrc().authenticators("api.wandb.ai") is not None
+        return netrc.netrc().authenticators(wandb_server()[0]) is not None
     except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def wandb_server_reachable(timeout_s: float = 5.0) -> bool:
+    """One TCP connection attempt: wandb itself retries an unreachable server for minutes before failing."""
+    try:
+        socket.create_connection(wandb_server(), timeout=timeout_s).close()
+        return True
+    except OSError:
         return False
 
 
@@ -31,10 +50,16 @@ def prepare_tracker_env(tracker: str, output_dir: Path, notice: Callable[[str], 
     os.environ.setdefault("WANDB_DIR", str(output_dir))
     os.environ.setdefault("WANDB_CACHE_DIR", str(output_dir / "wandb" / "cache"))
     os.environ.setdefault("WANDB_SILENT", "true")
-    if "WANDB_MODE" not in os.environ and not wandb_has_credentials():
-        # No key: never prompt, never touch the network; `wandb sync` uploads the run later.
-        os.environ["WANDB_MODE"] = "offline"
-        notice("wandb: no credentials found (WANDB_API_KEY or `wandb login`), logging offline")
+    if "WANDB_MODE" not in os.environ:
+        # Only the main process talks to wandb; the others need no mode and make no connection.
+        if not wandb_has_credentials():
+            # No key: never prompt, never touch the network; `wandb sync` uploads the run later.
+            os.environ["WANDB_MODE"] = "offline"
+            notice("wandb: no credentials found (WANDB_API_KEY or `wandb login`), logging offline")
+        elif is_first_process() and not wandb_server_reachable():
+            os.environ["WANDB_MODE"] = "offline"
+            host, port = wandb_server()
+            notice(f"wandb: cannot reach {host}:{port}, logging offline (upload later with `wandb sync`)")
     return f"wandb ({os.environ.get('WANDB_MODE', 'online')})"
 
 
@@ -60,7 +85,13 @@ def init_trackers(accelerator, tracker: str, config: dict[str, Any], output_dir:
     if tracker == "wandb":
         # Same id + resume="allow": a resumed training run continues the same wandb run.
         init_kwargs = {"wandb": {"id": run_id, "resume": "allow", "name": output_dir.name, "dir": str(output_dir)}}
-        accelerator.init_trackers(project_name=os.environ.get("WANDB_PROJECT", "parallel-train"), config=config, init_kwargs=init_kwargs)
+        try:
+            accelerator.init_trackers(project_name=os.environ.get("WANDB_PROJECT", "parallel-train"), config=config, init_kwargs=init_kwargs)
+        except Exception as e:  # wandb's errors (bad key, server down mid-start) have no common base class
+            if not type(e).__module__.startswith("wandb"):
+                raise
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"wandb could not start a run ({first}); log locally with WANDB_MODE=offline, or use tracker=tensorboard or tracker=none") from None
     else:
         # Event files go to output_dir/tensorboard/, so `tensorboard --logdir runs` shows every run by name.
         accelerator.init_trackers(project_name="tensorboard", config=flat_config(config))
