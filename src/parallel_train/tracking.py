@@ -14,9 +14,12 @@ import urllib.parse
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from parallel_train.errors import UserError, is_first_process
+
+if TYPE_CHECKING:  # accelerate costs seconds to import; the trainer imports it when it needs it
+    from accelerate import Accelerator
 
 
 def wandb_server() -> tuple[str, int]:
@@ -78,7 +81,7 @@ def flat_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def init_trackers(accelerator, tracker: str, config: dict[str, Any], output_dir: Path, run_id: str) -> None:
+def init_trackers(accelerator: Accelerator, tracker: str, config: dict[str, Any], output_dir: Path, run_id: str) -> None:
     """Start the tracker run on the main process (accelerate does nothing on the others)."""
     if tracker == "none":
         return
@@ -97,7 +100,7 @@ def init_trackers(accelerator, tracker: str, config: dict[str, Any], output_dir:
         accelerator.init_trackers(project_name="tensorboard", config=flat_config(config))
 
 
-def finish_trackers(accelerator, tracker: str, output_dir: Path, run_id: str, say: Callable[[str], None]) -> None:
+def finish_trackers(accelerator: Accelerator, tracker: str, output_dir: Path, run_id: str, say: Callable[[str], None]) -> None:
     """Close the tracker run and the process group (accelerator.end_training does both)."""
     accelerator.end_training()
     if tracker == "wandb" and accelerator.is_main_process and os.environ.get("WANDB_MODE") == "offline":
@@ -109,7 +112,7 @@ def finish_trackers(accelerator, tracker: str, output_dir: Path, run_id: str, sa
 class MetricsLog:
     """Appends one JSON object per line to metrics.jsonl and forwards it to the tracker."""
 
-    def __init__(self, path: Path, accelerator, tracker: str):
+    def __init__(self, path: Path, accelerator: Accelerator, tracker: str):
         self.path, self.accelerator, self.tracker = path, accelerator, tracker
 
     def truncate_after(self, step: int) -> None:
