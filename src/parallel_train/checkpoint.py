@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import pickletools
 import shutil
 from pathlib import Path
 from typing import Any
@@ -85,6 +87,53 @@ def verify(folder: Path) -> str | None:
     return None
 
 
+# Formats that can carry code (pickle, and torch.save's zip of pickles). This template writes none of them.
+PICKLE_SUFFIXES = (".pkl", ".pickle", ".bin", ".pt", ".pth", ".ckpt", ".npy", ".npz", ".zip", ".joblib")
+
+
+def _safetensors_header_ok(path: Path) -> bool:
+    """A safetensors file starts with the 8-byte length of a JSON header that fits in the file."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    return len(head) == 9 and 0 < int.from_bytes(head[:8], "little") <= path.stat().st_size - 8 and head[8:] == b"{"
+
+
+def _parses_as_pickle(path: Path) -> bool:
+    """True if the file is a complete pickle. pickletools only decodes opcodes: nothing is executed."""
+    try:
+        with open(path, "rb") as f:
+            for _ in pickletools.genops(f):
+                pass
+        return True
+    except Exception:
+        return False
+
+
+def _code_carrier(path: Path) -> str | None:
+    """Why `path` could execute code when unpickled, else None."""
+    if path.suffix.lower() in PICKLE_SUFFIXES:
+        return f"{path.name} is a pickle-type file"
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head == b"PK\x03\x04":
+        return f"{path.name} is a zip archive (torch.save format, which holds pickles)"
+    # Pickles of protocol 2+ start with 0x80; a real safetensors file may too (its header length), so
+    # only a file that is not a valid safetensors file and decodes as a whole pickle counts.
+    if head[:1] == b"\x80" and not (path.suffix == ".safetensors" and _safetensors_header_ok(path)) and _parses_as_pickle(path):
+        return f"{path.name} is a pickle"
+    return None
+
+
+def refuse_code(folder: Path) -> None:
+    """Raise if any file in the checkpoint could carry code: loading never unpickles, and a planted pickle
+    means the folder was tampered with, so this is an error, not a warning."""
+    for path in sorted(folder.iterdir()):
+        why = _code_carrier(path) if path.is_file() else None
+        if why:
+            raise UserError(f"checkpoint {folder}: {why}; refusing to load it (this template writes only safetensors, "
+                            "JSON and YAML and never unpickles). Remove the file or resume from a checkpoint you trust")
+
+
 def list_checkpoints(root: Path) -> list[Path]:
     """Finished checkpoints (renamed from .tmp-*), oldest first."""
     if not root.is_dir():
@@ -95,6 +144,7 @@ def list_checkpoints(root: Path) -> list[Path]:
 def find_latest_valid(root: Path, warn) -> Path | None:
     """Newest checkpoint that passes its manifest; each one skipped is named in a warning."""
     for folder in reversed(list_checkpoints(root)):
+        refuse_code(folder)
         problem = verify(folder)
         if problem is None:
             return folder
@@ -113,6 +163,8 @@ def resolve_resume(resume: str, root: Path, warn) -> Path | None:
         raise UserError(f"resume: no such checkpoint {resume!r}; use resume=auto, resume=none or a checkpoints/step_* folder")
     if path.is_dir() and not (path / MANIFEST).exists() and list_checkpoints(path / "checkpoints"):
         path = find_latest_valid(path / "checkpoints", warn) or path  # a run folder: take its newest
+    if path.is_dir():
+        refuse_code(path)
     problem = verify(path) if path.is_dir() else "not a folder"
     if problem:
         raise UserError(f"resume: {resume!r} is not a valid checkpoint ({problem})")
@@ -181,9 +233,13 @@ def load_optimizer_by_name(model, optimizer, tensors: dict[str, torch.Tensor], m
 
 
 def save(engine, root: Path, step: int, scheduler, state: dict[str, Any], config_yaml: str, vocab_json: str | None,
-         keep: int, protect: Path | None = None) -> Path:
+         keep: int, protect: Path | None = None, keep_best: bool = False) -> Path:
     """Write checkpoint `step` atomically. A collective: every rank must call it."""
+    from parallel_train import faults
+    from parallel_train.guards import check_finite_weights
+
     accelerator = engine.accelerator
+    check_finite_weights(engine, step)  # never a checkpoint with NaN/inf weights (all ranks agree)
     final = root / checkpoint_name(step)
     tmp = root / f".tmp-{checkpoint_name(step)}"
     if accelerator.is_main_process:
@@ -202,9 +258,12 @@ def save(engine, root: Path, step: int, scheduler, state: dict[str, Any], config
     opt_tensors, opt_meta = engine.optimizer_state()
     if accelerator.is_main_process:
         save_file(model_state, str(tmp / "model.safetensors"))
+        faults.in_save(step)  # test-only: a kill here must leave the previous checkpoint valid
         save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
         (tmp / "optimizer.json").write_text(json.dumps(opt_meta, indent=1))
         full_state = dict(state, step=step, scheduler=scheduler.state_dict(), world_size=accelerator.num_processes)
+        if getattr(accelerator, "scaler", None) is not None:  # fp16's loss scale (plain numbers)
+            full_state["grad_scaler"] = accelerator.scaler.state_dict()
         (tmp / "trainer_state.json").write_text(json.dumps(full_state, indent=1))
         (tmp / "config.yaml").write_text(config_yaml)
         if vocab_json is not None:
@@ -214,18 +273,36 @@ def save(engine, root: Path, step: int, scheduler, state: dict[str, Any], config
     if accelerator.is_main_process:
         write_manifest(tmp)
         if final.exists():  # the same step saved again (e.g. a resumed run that ends where it started)
-            shutil.rmtree(final)
+            old = root / f".tmp-old-{checkpoint_name(step)}"  # moved aside, not deleted, until the new one is in place
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
         os.replace(tmp, final)
         _fsync(root)
-        prune(root, keep, protect=protect)
+        prune(root, keep, protect=protect, keep_best=keep_best)
     accelerator.wait_for_everyone()
     return final
 
 
-def prune(root: Path, keep: int, protect: Path | None = None) -> None:
-    """Keep the newest `keep` checkpoints (and `protect`, the one this run resumed from)."""
+def best_checkpoint(root: Path) -> Path | None:
+    """The checkpoint with the lowest val loss among those evaluated at their own step."""
+    best, best_loss = None, math.inf
+    for folder in list_checkpoints(root):
+        try:
+            st = json.loads((folder / "trainer_state.json").read_text())
+        except (OSError, ValueError):
+            continue
+        loss = st.get("final_val_loss")
+        if st.get("final_val_step") == st.get("step") and isinstance(loss, (int, float)) and loss < best_loss:
+            best, best_loss = folder, loss
+    return best
+
+
+def prune(root: Path, keep: int, protect: Path | None = None, keep_best: bool = False) -> None:
+    """Keep the newest `keep` checkpoints, `protect` (the one this run resumed from), and with `keep_best`
+    the one with the lowest val loss."""
+    spared = {p.resolve() for p in (protect, best_checkpoint(root) if keep_best else None) if p is not None}
     for old in list_checkpoints(root)[:-keep]:
-        if protect is not None and old.resolve() == protect.resolve():
+        if old.resolve() in spared:
             continue
         shutil.rmtree(old, ignore_errors=True)
     for stale in root.glob(".tmp-*"):  # left by a run killed mid-save
@@ -235,17 +312,50 @@ def prune(root: Path, keep: int, protect: Path | None = None) -> None:
 # ---------------------------------------------------------------- load
 
 
+def topology_notice(saved: dict[str, Any], world: int, global_batch: int) -> str | None:
+    """One line when a run resumes on another number of processes or another global batch.
+
+    Model and optimizer state are whole tensors keyed by name, so they load into any topology. The data
+    order depends only on (seed, global batch, step) (data.py): with the same global batch the resumed run
+    reads exactly the samples the old one would have; with another, step k reads the k-th slice of the new
+    size from the same shuffled stream, so a few samples are skipped or seen twice at the switch.
+    """
+    old_world, old_batch = saved.get("world_size"), saved.get("global_batch")
+    if old_world == world and old_batch in (None, global_batch):
+        return None
+    line = (f"notice: the checkpoint was written by {old_world} processes, this run has {world}: model and optimizer "
+            "state carry over; per-rank dropout RNG restarts from the seed" if old_world != world else
+            "notice: the global batch changed since the checkpoint")
+    if old_batch is not None and old_batch != global_batch:
+        return line + (f"; the global batch was {old_batch} samples and is now {global_batch}, so the data order "
+                       "does not continue exactly (keep batch_size x processes x accumulation the same for that)")
+    return line + "; the global batch is unchanged, so the data order continues exactly"
+
+
 def load_tensors(path: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(path))
+    """Tensors through safetensors only (it parses a header and raw bytes: no code can run)."""
+    try:
+        return load_file(str(path))
+    except Exception as e:  # safetensors raises its own SafetensorError for anything malformed
+        raise UserError(f"resume: {path} is not a readable safetensors file ({str(e).splitlines()[0][:120]}); "
+                        "resume from another checkpoint") from None
 
 
 def load(folder: Path, engine, scheduler) -> dict[str, Any]:
     """Restore model, optimizer, scheduler and this rank's RNG from `folder`; return the trainer state."""
     accelerator = engine.accelerator
     state = json.loads((folder / "trainer_state.json").read_text())
-    engine.load(load_tensors(folder / "model.safetensors"), load_tensors(folder / "optimizer.safetensors"),
-                json.loads((folder / "optimizer.json").read_text()))
+    try:
+        engine.load(load_tensors(folder / "model.safetensors"), load_tensors(folder / "optimizer.safetensors"),
+                    json.loads((folder / "optimizer.json").read_text()))
+    except (RuntimeError, KeyError, ValueError) as e:  # load_state_dict: missing keys, shape mismatches
+        details = [line.strip() for line in str(e).splitlines() if line.strip()]
+        detail = (details[1] if len(details) > 1 and details[0].startswith("Error(s) in loading") else (details or [repr(e)])[0])[:200]
+        raise UserError(f"resume: {folder} does not fit this model/optimizer ({detail}); resume with the config it was "
+                        f"written with ({folder / 'config.yaml'}) or choose a new output_dir") from None
     scheduler.load_state_dict(state["scheduler"])
+    if state.get("grad_scaler") and getattr(accelerator, "scaler", None) is not None:
+        accelerator.scaler.load_state_dict(state["grad_scaler"])
     rng_file = folder / f"rng_rank{accelerator.process_index}.safetensors"
     if state.get("world_size") == accelerator.num_processes and rng_file.exists():
         rng = load_tensors(rng_file)

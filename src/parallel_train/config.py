@@ -76,6 +76,7 @@ class TrainConfig:
     seed: int = opt(1337, "seed for weights, data order and dropout")
     log_interval: int = opt(10, "optimizer steps between train log lines")
     mixed_precision: str = opt("auto", "auto: take it from the accelerate config/launcher", choices=("auto", "no", "bf16", "fp16"))
+    max_skipped_steps: int = opt(0, "0: stop at a non-finite loss/gradient; N: skip up to N such steps (costs a sync per step)")
     compile: bool = opt(False, "torch.compile the model (first steps compile, about 30 s; no gain measured on CPU)")
     tf32: bool = opt(True, "GPU only: TF32 tensor cores for fp32 matmuls and convolutions")
     peak_tflops: float = opt(0.0, "peak TFLOP/s of one device for MFU; 0: from the known-GPU table (env PEAK_TFLOPS also sets it)")
@@ -92,6 +93,7 @@ class EvalConfig:
 class CheckpointConfig:
     interval: int = opt(500, "optimizer steps between checkpoints (0: only at the end)")
     keep: int = opt(2, "newest checkpoints to keep")
+    keep_best: bool = opt(False, "also keep the checkpoint with the lowest val loss (one evaluated at its step)")
 
 
 @dataclass
@@ -316,6 +318,7 @@ def validate(cfg: Config) -> None:
     _check(cfg.eval.batch_size >= 0, f"eval.batch_size: must be >= 0, got {cfg.eval.batch_size}")
     _check(cfg.checkpoint.interval >= 0, f"checkpoint.interval: must be >= 0, got {cfg.checkpoint.interval}")
     _check(cfg.checkpoint.keep >= 1, f"checkpoint.keep: must be >= 1, got {cfg.checkpoint.keep}")
+    _check(t.max_skipped_steps >= 0, f"train.max_skipped_steps: must be >= 0, got {t.max_skipped_steps}")
 
     p = cfg.parallel
     _check(p.pipeline_stages >= 1, f"parallel.pipeline_stages: must be >= 1, got {p.pipeline_stages}")

@@ -55,6 +55,8 @@ def load_corpus(cfg: DataConfig) -> str:
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise UserError(f"data.path: could not load {cfg.path!r} ({first})") from None
     except Exception as e:  # datasets raises its own error types for malformed json/csv/parquet
+        if isinstance(e.__cause__ or e.__context__, UnicodeDecodeError):  # datasets wraps the decode error
+            raise UserError(f"data.path: {cfg.path!r} is not UTF-8 text (a binary file?)") from None
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise UserError(f"data.path: could not read {cfg.path!r} ({type(e).__name__}: {first})") from None
     column = cfg.text_column

@@ -11,6 +11,7 @@ from any engine load into any other.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ class DataParallelEngine:
             self.loss_fn = torch.compile(loss_fn)
         self.model, self.optimizer, self.val_loader = accelerator.prepare(model, optimizer, val_loader)
         self.device = accelerator.device
+        self.update_allowed = lambda loss, grad_norm: True  # the trainer installs guards.RunGuard.update_allowed
         # Data parallelism: which shard of the global batch this process reads (data.py).
         self.dp_size, self.dp_rank = accelerator.num_processes, accelerator.process_index
 
@@ -63,9 +65,11 @@ class DataParallelEngine:
                 accelerator.backward(loss)
             loss_sum += loss.detach()
             tokens += y.numel()
-        if self.cfg.train.grad_clip > 0:
-            accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
-        self.optimizer.step()
+        # The norm is needed for clipping, and to skip non-finite steps (inf: measure without clipping).
+        max_norm = self.cfg.train.grad_clip or (math.inf if self.cfg.train.max_skipped_steps else 0)
+        grad_norm = accelerator.clip_grad_norm_(self.model.parameters(), max_norm) if max_norm else None
+        if self.update_allowed(loss_sum / A, grad_norm):  # guards.py: False skips a non-finite step
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum / A, tokens
 

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable
 
 EXIT_USER_ERROR = 2
+EXIT_PEER_FAILURE = 1
 
 
 class UserError(Exception):
@@ -33,4 +34,15 @@ def run_cli(main: Callable[[], int | None]) -> None:
         sys.exit(EXIT_USER_ERROR)
     except KeyboardInterrupt:
         sys.exit(130)
+    except RuntimeError as e:
+        from parallel_train.guards import collective_failure_message
+
+        message = collective_failure_message(e)
+        if message is None:
+            raise
+        # A peer died or hung: one line from every surviving rank, exit 1 (an elastic launcher restarts the
+        # job). os._exit: the process group is broken, and its teardown can abort or hang.
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(EXIT_PEER_FAILURE)
     sys.exit(code or 0)

@@ -88,6 +88,9 @@ def make_accelerator(cfg: Config, notice) -> Accelerator:  # noqa: F821 (lazy im
                "a resumed run restarts the optimizer's moments. accelerate_configs/fsdp.yaml keeps them")
 
     log_with = None if cfg.tracker == "none" else cfg.tracker
+    from parallel_train.elastic import init_process_group_for_restarts
+
+    init_process_group_for_restarts(cfg.parallel.timeout_s)  # only under torchrun/accelerate --max-restarts N
     accelerator = Accelerator(
         cpu=not cuda,
         mixed_precision=precision,

@@ -7,7 +7,7 @@ the data sharding in data.py; nothing here depends on the topology.
 from __future__ import annotations
 
 import json
-import math
+import os
 import resource
 import time
 from pathlib import Path
@@ -16,11 +16,12 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from parallel_train import checkpoint
+from parallel_train import checkpoint, faults
 from parallel_train.config import Config, save_config
 from parallel_train.data import build_datasets, load_vocab, train_loader, val_loader
 from parallel_train.engine import build_engine
 from parallel_train.errors import UserError
+from parallel_train.guards import RunGuard, check_finite_weights, stop_message
 from parallel_train.launch import make_accelerator, topology
 from parallel_train.messages import train_line
 from parallel_train.models import build_model
@@ -114,9 +115,14 @@ def run(cfg: Config, config_path: str | None) -> int:
         state.update(checkpoint.load(resume_from, engine, scheduler))
         start_step = state.pop("step")
         say(f"[parallel_train] resumed from {resume_from} at step {start_step}")
-        if state.get("world_size") != world:
-            say(f"notice: the checkpoint was written by {state.get('world_size')} processes, this run has {world}: "
-                "model and optimizer state carry over; per-rank dropout RNG restarts from the seed")
+        notice = checkpoint.topology_notice(state, world, cfg.train.batch_size * engine.dp_size * A)
+        if notice:
+            say(notice)
+    state["global_batch"] = cfg.train.batch_size * engine.dp_size * A
+    # guards.py: stop signals, non-finite loss/gradients, the stop step all ranks agree on
+    guard = RunGuard(accelerator, cfg.train.max_skipped_steps, cfg.parallel.timeout_s, state.get("skipped_steps", 0))
+    engine.update_allowed = guard.update_allowed
+    faults.install(getattr(engine, "model", None), lambda: guard.step)  # test-only; nothing unless PARALLEL_TRAIN_FAULT is set
 
     config_yaml = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
     vocab_json = data.vocab.to_json() if data.vocab else None
@@ -132,8 +138,9 @@ def run(cfg: Config, config_path: str | None) -> int:
     flops_per_token, peak = engine.flops_per_token(), peak_flops(device, accelerator.mixed_precision, cfg.train)
 
     def save_checkpoint(step: int) -> None:
+        state["skipped_steps"] = guard.skipped
         checkpoint.save(engine, ckpt_root, step, scheduler, state, config_yaml, vocab_json,
-                        keep=cfg.checkpoint.keep, protect=resume_from)
+                        keep=cfg.checkpoint.keep, protect=resume_from, keep_best=cfg.checkpoint.keep_best)
 
     def due(step: int, interval: int) -> bool:
         return step == cfg.train.max_steps or (interval > 0 and step % interval == 0)
@@ -143,11 +150,16 @@ def run(cfg: Config, config_path: str | None) -> int:
                 dynamic_ncols=True, desc="train")
     first_step_s = None
     t_log, paused, steady_tokens, steady_time, tokens_since = time.perf_counter(), 0.0, 0, 0.0, 0
+    guard.signals.install()  # from here on SIGTERM/SIGUSR1/SIGINT stop at an agreed step, with a checkpoint
     for step in range(start_step, cfg.train.max_steps):
         lr = optimizer.param_groups[0]["lr"]
+        guard.begin_step(step + 1)
         loss, tokens = engine.train_step(batches)
         scheduler.step()
         done = step + 1
+        faults.after_step(done)
+        # All ranks agree on "stop signal?" and "non-finite?" (raises naming the step) before anything is logged or saved.
+        stop = guard.end_step(done, loss, force=due(done, cfg.train.log_interval) or due(done, cfg.checkpoint.interval))
         tokens_since += tokens * engine.dp_size
         pbar.update(1)
         if first_step_s is None:  # from the process's start: imports and set-up count
@@ -169,32 +181,38 @@ def run(cfg: Config, config_path: str | None) -> int:
             metrics.log(record)
             pbar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{tok_s:,.0f}")
             say(train_line(record, cfg.train.max_steps))  # plain lines: the bar is off when stderr is not a terminal
-            if not math.isfinite(train_loss):
-                raise UserError(f"the train loss is {train_loss} at step {done}; lower train.learning_rate or check the data")
             t_log, paused, tokens_since, batches.seconds = now, 0.0, 0, 0.0
 
         t_pause = time.perf_counter()
         if due(done, cfg.eval.interval):
             val_loss = engine.evaluate()
-            state["final_val_loss"] = val_loss
+            state["final_val_loss"], state["final_val_step"] = val_loss, done
             if state["best_val_loss"] is None or val_loss < state["best_val_loss"]:
                 state["best_val_loss"] = val_loss
             metrics.log({"kind": "eval", "step": done, "val_loss": val_loss})
             say(f"step {done}: train loss {state['final_train_loss']:.4f}, val loss {val_loss:.4f}")
-        if due(done, cfg.checkpoint.interval):
+        if due(done, cfg.checkpoint.interval) or (stop and done < cfg.train.max_steps):
             save_checkpoint(done)
         paused += time.perf_counter() - t_pause
+        if stop and done < cfg.train.max_steps:  # preempted: checkpoint written on all ranks; leave cleanly
+            pbar.close()
+            say(stop_message(stop, done, cfg.train.max_steps, ckpt_root / checkpoint.checkpoint_name(done)))
+            finish_trackers(accelerator, cfg.tracker, out, state["run_id"], say)
+            guard.signals.restore()
+            return 0
     pbar.close()
 
     # ---- results
     if start_step >= cfg.train.max_steps:
         say(f"[parallel_train] the checkpoint is already at train.max_steps={cfg.train.max_steps}; nothing to train")
     engine_summary = engine.finish(out)  # a collective: e.g. the pipeline timeline
+    check_finite_weights(engine, cfg.train.max_steps)  # a collective, like the next line
     model_state = engine.full_state_dict()  # a collective: the model may be sharded or split over ranks
     if accelerator.is_main_process:
         from safetensors.torch import save_file
 
-        save_file(model_state, str(out / "model.safetensors"))
+        save_file(model_state, str(out / "model.safetensors.tmp"))  # then renamed: a kill never leaves half a file
+        os.replace(out / "model.safetensors.tmp", out / "model.safetensors")
         summary = {
             "steps": cfg.train.max_steps,
             "final_train_loss": state["final_train_loss"],
@@ -217,4 +235,5 @@ def run(cfg: Config, config_path: str | None) -> int:
             f"{summary['wall_time_s']:.1f} s; outputs in {out}")
     accelerator.wait_for_everyone()
     finish_trackers(accelerator, cfg.tracker, out, state["run_id"], say)  # also destroys the process group
+    guard.signals.restore()
     return 0

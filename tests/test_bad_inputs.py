@@ -1,0 +1,131 @@
+"""A catalogue of bad inputs. Each: exit code 2, exactly one `error:` line naming the problem, no traceback,
+and nothing in an existing run's output_dir created, changed or deleted.
+
+Every case points output_dir at one finished run (unless output_dir itself is the bad input), so errors
+raised after the run was found (resume=auto) are held to the same rule as config errors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+
+from helpers import TINY, check, launch_env, run, train_cmd
+from parallel_train import checkpoint
+
+pytestmark = pytest.mark.multiprocess
+
+BASE = (*TINY, "train.max_steps=3", "train.lr_decay_steps=3", "eval.interval=3", "checkpoint.interval=3")
+
+
+class Payload:
+    """Unpickling this runs `touch MARKER`: if the marker appears, a checkpoint executed code."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """A finished run, and the bad files the cases point at."""
+    tmp = tmp_path_factory.mktemp("bad")
+    run_dir = tmp / "run"
+    check(run(train_cmd(*BASE, f"output_dir={run_dir}"), env=launch_env(tmp)))
+    f = tmp / "files"
+    f.mkdir()
+    (f / "empty.txt").write_text("")
+    (f / "binary.txt").write_bytes(bytes(range(256)) * 64)
+    (f / "short.txt").write_text("too short\n")
+    (f / "rows.jsonl").write_text("".join('{"body": "some text here, long enough"}\n' for _ in range(50)))
+    (f / "new_chars.txt").write_text("ZZZ 0123456789 \u00e9\u00e8 " * 200)
+    (f / "bad.yaml").write_text("model: {n_layer: 2\n  broken: [\n")
+    (f / "list.yaml").write_text("- model\n- train\n")
+    (f / "a_file").write_text("not a folder\n")
+    (f / "not_a_checkpoint").mkdir()
+    step = checkpoint.list_checkpoints(run_dir / "checkpoints")[-1]
+    # A pickle in place of optimizer.safetensors, with the manifest rewritten to match (a careful attacker).
+    replaced = f / "replaced" / step.name
+    shutil.copytree(step, replaced)
+    (replaced / "optimizer.safetensors").write_bytes(pickle.dumps(Payload(tmp / "pwned_replaced")))
+    checkpoint.write_manifest(replaced)
+    # An extra pickle file next to the real ones.
+    added = f / "added" / step.name
+    shutil.copytree(step, added)
+    (added / "extra_state.pkl").write_bytes(pickle.dumps(Payload(tmp / "pwned_added")))
+    return {"tmp": tmp, "run": run_dir, "files": f}
+
+
+def snapshot(folder: Path) -> dict[str, tuple[int, int, str]]:
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# (id, arguments; {run} {files} are filled in, what the error line must contain)
+CASES = [
+    ("unknown_key", ["model.n_layers=2"], "unknown config key 'model.n_layers'"),
+    ("section_as_value", ["model=3"], "config key 'model' is a section"),
+    ("int_not_a_number", ["train.batch_size=abc"], "train.batch_size: expected an integer"),
+    ("int_with_fraction", ["train.max_steps=2.5"], "train.max_steps: expected an integer"),
+    ("bool_word", ["model.bias=maybe"], "model.bias: expected true or false"),
+    ("closed_choice", ["train.optimizer=adamx"], "train.optimizer: must be one of"),
+    ("dropout_range", ["model.dropout=1.5"], "model.dropout: must be in [0, 1)"),
+    ("learning_rate_nan", ["train.learning_rate=nan"], "train.learning_rate: must be a finite number"),
+    ("heads_do_not_divide", ["model.n_embd=31"], "model.n_embd (31) must be divisible by model.n_head"),
+    ("min_lr_above_lr", ["train.min_lr=0.5"], "train.min_lr (0.5) must not exceed train.learning_rate"),
+    ("keep_zero", ["checkpoint.keep=0"], "checkpoint.keep: must be >= 1"),
+    ("timeout_zero", ["parallel.timeout_s=0"], "parallel.timeout_s: must be >= 1"),
+    ("skipped_negative", ["train.max_skipped_steps=-1"], "train.max_skipped_steps: must be >= 0"),
+    ("stray_argument", ["fast"], "unexpected argument 'fast'"),
+    ("config_file_missing", ["--config", "{files}/nope.yaml"], "nope.yaml: no such file"),
+    ("config_file_not_yaml", ["--config", "{files}/bad.yaml"], "bad.yaml: not valid YAML"),
+    ("config_file_a_list", ["--config", "{files}/list.yaml"], "expected a mapping"),
+    ("unknown_model", ["model.name=resnet"], "model.name: unknown model 'resnet'"),
+    ("stage_devices_count", ["parallel.stage_devices=[cpu,cpu,cpu]", "parallel.pipeline_stages=2"], "parallel.stage_devices: 3 devices given for 2"),
+    ("fp16_on_cpu", ["train.mixed_precision=fp16"], "fp16 needs a GPU"),
+    ("data_missing", ["data.path={files}/missing.txt"], "data.path: no such file"),
+    ("data_empty", ["data.path={files}/empty.txt"], "is empty"),
+    ("data_binary", ["data.path={files}/binary.txt"], "is not UTF-8 text (a binary file?)"),
+    ("data_too_short", ["data.path={files}/short.txt", "resume=none", "output_dir={files}/new_out"], "is too short"),
+    ("data_column_missing", ["data.path={files}/rows.jsonl", "data.text_column=content"], "data.text_column: 'content' is not a column"),
+    ("data_hub_offline", ["data.path=no-such-user/no-such-dataset"], "data.path: could not load"),
+    ("data_outside_vocab", ["data.path={files}/new_chars.txt"], "vocab"),
+    ("resume_path_missing", ["resume={files}/no_such_checkpoint"], "resume: no such checkpoint"),
+    ("resume_not_a_checkpoint", ["resume={files}/not_a_checkpoint"], "is not a valid checkpoint (no manifest.json"),
+    ("resume_none_over_a_run", ["resume=none"], "already holds a run"),
+    ("resume_other_model", ["model.n_embd=64"], "does not fit this model"),
+    ("output_dir_is_a_file", ["output_dir={files}/a_file"], "is a file"),
+    ("output_dir_not_writable", ["output_dir={files}/a_file/sub"], "is not writable"),
+    ("checkpoint_pickle_replaced", ["resume={files}/replaced/step_0000003"], "optimizer.safetensors is a pickle; refusing"),
+    ("checkpoint_pickle_added", ["resume={files}/added/step_0000003"], "extra_state.pkl is a pickle-type file; refusing"),
+]
+
+
+# Checked by the same code path as a case in the default run (config.py's coercion and range checks):
+# run with -m slow. The default run keeps 25 cases, one per kind of input.
+SLOW = {"int_with_fraction", "bool_word", "dropout_range", "learning_rate_nan", "min_lr_above_lr", "keep_zero",
+        "timeout_zero", "skipped_negative", "config_file_a_list", "section_as_value"}
+
+
+@pytest.mark.parametrize("args, expected", [pytest.param(a, e, id=i, marks=[pytest.mark.slow] if i in SLOW else [])
+                                            for i, a, e in CASES])
+def test_bad_input(env, args, expected):
+    fill = {"run": str(env["run"]), "files": str(env["files"])}
+    args = [a.format(**fill) for a in args]
+    if not any(a.startswith("output_dir=") for a in args):
+        args.append(f"output_dir={env['run']}")
+    before = snapshot(env["run"])
+    result = run(train_cmd(*BASE, *args), env=launch_env(env["tmp"]), timeout=180)
+    assert result.returncode == 2, result.output[-3000:]
+    assert "Traceback" not in result.output, result.output[-3000:]
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and expected in errors[0], result.output[-3000:]
+    assert snapshot(env["run"]) == before
+    assert not list(env["tmp"].glob("pwned_*")), "a checkpoint executed code"
