@@ -7,6 +7,7 @@ Accelerate, no DataLoader, no evaluation, no checkpoints, no trackers. `scripts/
 side by side with `train.py` to measure what the template costs. Single process, character corpus only.
 
     python scripts/bare_loop.py --config configs/shakespeare_char_cpu.yaml train.max_steps=300
+    python scripts/bare_loop.py --keep-freed-memory ...   with the template's malloc setting (perf.py)
 
 Prints one JSON line: steady-state tokens/s (first log interval left out, as train.py does) and the
 loss at every log step (these match train.py's metrics.jsonl: same data, same arithmetic).
@@ -28,9 +29,13 @@ from parallel_train.config import load_config  # noqa: E402
 from parallel_train.data import GlobalBatchSampler  # noqa: E402
 from parallel_train.models.gpt import GPT  # noqa: E402
 from parallel_train.optim import build_optimizer, lr_at  # noqa: E402
+from parallel_train.perf import keep_freed_host_memory  # noqa: E402
 
 
 def main(argv: list[str]) -> None:
+    if "--keep-freed-memory" in argv:  # the one host-side setting train.py makes (perf.keep_freed_host_memory)
+        argv = [a for a in argv if a != "--keep-freed-memory"]
+        keep_freed_host_memory()
     cfg, _ = load_config(argv)
     m, t = cfg.model, cfg.train
     text = Path(cfg.data.path).read_text(encoding="utf-8")

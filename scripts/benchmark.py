@@ -57,6 +57,8 @@ def cells() -> list[Cell]:
     both = f"1 process, {os.cpu_count()} threads"
     return [
         Cell("bare", "bare loop (scripts/bare_loop.py: no framework)", both, runner="bare"),
+        Cell("bare_malloc", "bare loop + the template's malloc setting (--keep-freed-memory)", both, runner="bare",
+             overrides=("--keep-freed-memory",), in_quick=False),
         Cell("template", "train.py, defaults (fp32, eager)", both),
         Cell("bf16", "bf16 autocast (train.mixed_precision=bf16)", both, overrides=("train.mixed_precision=bf16",)),
         Cell("compile", "torch.compile (train.compile=true)", both, overrides=("train.compile=true",), in_quick=False),

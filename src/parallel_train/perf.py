@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
 
 import torch
 
@@ -17,12 +19,36 @@ PEAK_TFLOPS = {
 
 
 def configure_backends(cfg: TrainConfig, device: torch.device) -> None:
-    """TF32 tensor cores for fp32 matmuls/convolutions on GPU (train.tf32): about 8x an fp32 matmul on
-    A100/H100 at a 10-bit mantissa, which training tolerates. Nothing to set on CPU."""
+    """Host allocator (below); TF32 tensor cores for fp32 matmuls/convolutions on GPU (train.tf32): about 8x
+    an fp32 matmul on A100/H100 at a 10-bit mantissa, which training tolerates."""
+    keep_freed_host_memory()
     if device.type == "cuda":
         precision = "tf32" if cfg.tf32 else "ieee"
         torch.backends.cuda.matmul.fp32_precision = precision
         torch.backends.cudnn.conv.fp32_precision = precision
+
+
+# glibc's mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+
+
+def keep_freed_host_memory() -> bool:
+    """Let glibc keep freed memory for the next step instead of handing it back to the kernel.
+
+    A training step frees and allocates the same few MB of activations every step. By default glibc trims
+    the heap once a little of its top is free and serves large blocks with fresh mmaps, so every step
+    page-faults that memory in again: about 1,000 faults and 1.5-3 ms of kernel time per step on the CPU
+    baseline (5-10% of the step; see docs/BENCHMARKS.md). Fixed thresholds (blocks up to 32 MiB from the
+    heap, trim only past 1 GiB free) remove that; the cost is that resident memory stays near its peak.
+    Returns False where the C library is not glibc (nothing changed).
+    """
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(M_TRIM_THRESHOLD, 1 << 30))
 
 
 def peak_flops(device: torch.device, precision: str, cfg: TrainConfig) -> float | None:
