@@ -119,3 +119,11 @@ def train_losses(out: Path) -> dict[int, float]:
 
 def summary(out: Path) -> dict:
     return json.loads((out / "summary.json").read_text())
+
+
+def readme_section(title_start: str) -> str:
+    """The README's `## <title_start>...` section, up to the next `## ` heading (docs tests read the README itself)."""
+    lines = (REPO / "README.md").read_text().splitlines(keepends=True)
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"## {title_start}"))
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    return "".join(lines[start:end])

@@ -1,4 +1,4 @@
-"""docs/readme/customize.md, done exactly as written, in a copy of the repository: the guide cannot rot.
+"""The README's "Make it yours" guide, done exactly as written, in a copy of the repository: the guide cannot rot.
 
 The guide's code blocks say where they go on their first line, which this test follows:
     # new file: PATH                  the block is the whole new file
@@ -22,11 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ACCELERATE, PYTHON, REPO, TINY, TORCHRUN, check, free_port, launch_env, read_metrics, run
+from helpers import ACCELERATE, PYTHON, REPO, TINY, TORCHRUN, check, free_port, launch_env, read_metrics, readme_section, run
 
 pytestmark = pytest.mark.multiprocess
 
-GUIDE = REPO / "docs" / "readme" / "customize.md"
 FENCE = re.compile(r"^```(\w+)\n(.*?)^```$", re.S | re.M)
 SKIPPED = "# needs the Hub"
 
@@ -167,7 +166,7 @@ def test_customize_guide_as_written_trains_on_two_processes(tmp_path):
     root = copy_repo(tmp_path / "clone")
     write_user_data(root)
     env = launch_env(tmp_path)
-    guide = sections(GUIDE.read_text())
+    guide = sections(readme_section("Make it yours"))
     changed, ran, skipped = [], {}, 0
     for heading, blocks in guide:
         for language, code in blocks:

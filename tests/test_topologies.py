@@ -16,7 +16,22 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ACCELERATE, PYTHON, REPO, TINY, TORCHRUN, Result, check, free_port, launch_env, read_metrics, run, run_together, summary
+from helpers import (
+    ACCELERATE,
+    PYTHON,
+    REPO,
+    TINY,
+    TORCHRUN,
+    Result,
+    check,
+    free_port,
+    launch_env,
+    read_metrics,
+    readme_section,
+    run,
+    run_together,
+    summary,
+)
 
 CONFIGS = REPO / "accelerate_configs"
 # name -> (distributed_type, num_processes, num_machines, mixed_precision)
@@ -46,13 +61,13 @@ def test_every_config_loads_validates_and_is_documented():
 
     names = sorted(p.stem for p in CONFIGS.glob("*.yaml"))
     assert set(EXPECTED) <= set(names), set(EXPECTED) - set(names)
-    table = (REPO / "docs" / "readme" / "topologies.md").read_text()
+    table = readme_section("Topologies")
     for name in names:
         path = CONFIGS / f"{name}.yaml"
         config = load_config_from_file(str(path))  # accelerate's own loader: unknown keys are an error
         lines = path.read_text().splitlines()
         assert lines[0].startswith("# ") and f"accelerate launch --config_file accelerate_configs/{name}.yaml" in path.read_text(), name
-        assert f"accelerate_configs/{name}.yaml" in table, f"{name}.yaml is missing from docs/readme/topologies.md"
+        assert f"accelerate_configs/{name}.yaml" in table, f"{name}.yaml is missing from the README's topology table"
         if name not in EXPECTED:
             continue
         dist_type, nproc, machines, precision = EXPECTED[name]

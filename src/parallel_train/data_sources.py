@@ -6,7 +6,7 @@ file, a Hub dataset (or a folder laid out like one), 'random' or 'synthetic'.
 To train on data of your own: write a loader in its own module (e.g. `parallel_train/dialogue_data.py`)
 that returns a `Data` (train and validation datasets whose batches are (inputs, targets), the
 vocabulary, the vocabulary size or number of classes, and optionally a collate function), import it
-here and add one line to DATA_SOURCES. docs/readme/customize.md walks through it.
+here and add one line to DATA_SOURCES. The README's "Make it yours" section walks through it.
 """
 
 from __future__ import annotations
