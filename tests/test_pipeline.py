@@ -235,3 +235,23 @@ def test_pipelines_train_in_bf16(reference):
         assert "precision bf16" in result.output
         losses = train_losses(reference / name)
         assert all(abs(losses[s] - ref[s]) < 0.05 for s in range(1, 7)), (name, losses, ref)
+
+
+def test_stage_input_gradients_are_made_contiguous_for_sending():
+    """A stage whose input gradient comes out transposed (e.g. a batch-first nn.GRU) must still send it."""
+    from parallel_train.pipeline.distributed import _contiguous_input_grads
+
+    class Transposing(torch.nn.Module):
+        def forward(self, x):
+            return x.transpose(0, 1) * 2
+
+    stage = Transposing()
+    stage.register_forward_pre_hook(_contiguous_input_grads)
+    x = torch.randn(3, 5, requires_grad=True)
+    # The schedules take input gradients with autograd.grad, which (unlike .grad) keeps a transposed layout.
+    (grad,) = torch.autograd.grad(stage(x), x, torch.ones(5, 3))
+    assert grad.is_contiguous()
+    torch.testing.assert_close(grad, torch.full((3, 5), 2.0))
+    fresh = torch.randn(3, 5, requires_grad=True)
+    (raw,) = torch.autograd.grad(Transposing()(fresh), fresh, torch.ones(5, 3))
+    assert not raw.is_contiguous()  # what the hook fixes

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+from pathlib import Path
 
 import torch
 
@@ -78,8 +79,8 @@ def mfu(flops_per_token: int | None, tokens_per_sec: float, peak: float | None, 
 def process_age_s() -> float | None:
     """Seconds since this process started (Linux /proc), so interpreter start-up and imports count too."""
     try:
-        start_ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
-        uptime = float(open("/proc/uptime").read().split()[0])
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return None
     return uptime - start_ticks / os.sysconf("SC_CLK_TCK")

@@ -59,6 +59,14 @@ def check_layout(cfg: Config, world: int, precision: str) -> tuple[int, int]:
     return V, world // S
 
 
+
+def _contiguous_input_grads(module, args):
+    """Stages send their input's gradient back to the previous rank, and gloo/NCCL send only contiguous
+    tensors; some layers (a batch-first nn.GRU) produce a transposed gradient, so make it contiguous."""
+    for x in args:
+        if torch.is_tensor(x) and x.requires_grad:
+            x.register_hook(lambda grad: grad.contiguous())
+
 class MultiProcessPipelineEngine:
     """Executor 2: the same methods as DataParallelEngine; collectives run on every rank."""
 
@@ -83,6 +91,8 @@ class MultiProcessPipelineEngine:
         # One view holding all this rank's parts (names, optimizer, checkpoints) and one per stage (execution).
         self.local = stage_module(model, [n for i in self.stage_ids for n in plan[i]]).to(self.device)
         self.stage_mods = [stage_module(model, plan[i]) for i in self.stage_ids]
+        for mod in self.stage_mods:
+            mod.register_forward_pre_hook(_contiguous_input_grads)
         mine = {id(q) for q in self.local.parameters()}
         for group in optimizer.param_groups:  # in place: the LR scheduler holds this optimizer
             group["params"] = [q for q in group["params"] if id(q) in mine]
