@@ -67,7 +67,7 @@ def test_a_run_prints_a_banner_one_line_per_log_interval_and_each_warning_once(r
     stdout = logs["ddp"].stdout
     banners = [line for line in stdout.splitlines() if "world size" in line]
     assert len(banners) == 1, stdout
-    for part in ("DDP over 2 processes", "world size 2", "device cpu", "precision no", "config defaults", "output_dir", "tracker none"):
+    for part in ("2 processes (MULTI_CPU", "world size 2", "device cpu", "precision no", "config defaults", "output_dir", "tracker none"):
         assert part in banners[0], part
     # TINY: 6 steps, log_interval=2 here -> steps 2, 4, 6, printed once (main process only).
     steps = re.findall(r"^step (\d+)/6 \| loss [\d.]+ \| lr [\d.e+-]+ \| [\d,]+ tok/s \| [\d.]+ ms/step", stdout, flags=re.M)

@@ -67,7 +67,7 @@ def test_two_gloo_processes_form_one_ddp_group(runs):
     out, logs = runs
     s = summary(out["ddp"])
     assert s["world_size"] == 2 and s["distributed_type"] == "MULTI_CPU"
-    assert "DDP over 2 processes" in logs["ddp"].output and "backend gloo" in logs["ddp"].output
+    assert "2 processes (MULTI_CPU" in logs["ddp"].output and "backend gloo" in logs["ddp"].output
     assert logs["ddp"].output.count("[parallel_train] done") == 1  # only the main process reports
 
 
@@ -111,7 +111,7 @@ def test_seed_mlp_example_on_two_processes(tmp_path):
     assert s["world_size"] == 2 and s["steps"] == 20
     losses = train_losses(tmp_path)
     assert losses[20] < losses[10]
-    assert "DDP over 2 processes" in r.output
+    assert "2 processes (MULTI_CPU" in r.output and "engine: data parallel" in r.output
 
 
 def test_bf16_on_cpu_works_and_fp16_on_cpu_is_refused(tmp_path):

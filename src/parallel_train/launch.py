@@ -128,6 +128,6 @@ def topology(accelerator) -> str:
     nodes = int(os.environ.get("GROUP_WORLD_SIZE", os.environ.get("NUM_MACHINES", "0")) or 0)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
     nodes = nodes or max(1, accelerator.num_processes // max(1, local))
-    kind = "single process" if accelerator.num_processes == 1 else f"DDP over {accelerator.num_processes} processes"
+    kind = "1 process" if accelerator.num_processes == 1 else f"{accelerator.num_processes} processes"  # the engine line says how they split the work
     return f"{kind} ({dist}, backend {backend}, {nodes} node{'s' if nodes > 1 else ''}, host {socket.gethostname()})"
 
