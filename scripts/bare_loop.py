@@ -4,18 +4,23 @@
 Same config keys, same model class, same initial weights, same batches (the template's global batch
 order), same AdamW groups and learning-rate schedule, same gradient clipping as `train.py`; no
 Accelerate, no DataLoader, no evaluation, no checkpoints, no trackers. `scripts/benchmark.py` runs it
-side by side with `train.py` to measure what the template costs. Single process, character corpus only.
+side by side with `train.py` to measure what the template costs. Character corpus only. Under torchrun it
+is a bare DDP loop (plain torch DDP over gloo): the floor for data-parallel scaling on this machine.
 
     python scripts/bare_loop.py --config configs/shakespeare_char_cpu.yaml train.max_steps=300
+    torchrun --nproc-per-node 2 scripts/bare_loop.py --config configs/shakespeare_char_cpu.yaml
     python scripts/bare_loop.py --keep-freed-memory ...   with the template's malloc setting (perf.py)
 
 Prints one JSON line: steady-state tokens/s (first log interval left out, as train.py does) and the
-loss at every log step (these match train.py's metrics.jsonl: same data, same arithmetic).
+loss at every log step (these match train.py's metrics.jsonl: same data, same arithmetic; under DDP
+rank 0's own loss). tokens/s counts every rank.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -44,12 +49,17 @@ def main(argv: list[str]) -> None:
     ids = torch.tensor([lookup[c] for c in text], dtype=torch.long)
     train_ids = ids[: len(ids) - int(len(ids) * cfg.data.val_fraction)]
     offsets = torch.arange(m.block_size + 1)
-    sampler = GlobalBatchSampler(len(train_ids) - m.block_size, t.batch_size, 1, 0, t.seed)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        torch.distributed.init_process_group("gloo")
+    rank = torch.distributed.get_rank() if world > 1 else 0
+    sampler = GlobalBatchSampler(len(train_ids) - m.block_size, t.batch_size, world, rank, t.seed)
 
     torch.manual_seed(t.seed)
     model = GPT(m, max(len(chars), m.vocab_size))
     optimizer = build_optimizer(model, t)
-    model.train()
+    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    ddp.train()
 
     losses, t_steady = {}, None
     for step in range(t.max_steps):
@@ -58,9 +68,11 @@ def main(argv: list[str]) -> None:
         for micro in range(t.gradient_accumulation_steps):
             windows = train_ids[torch.as_tensor(sampler.indices_at(step * t.gradient_accumulation_steps + micro)).unsqueeze(1) + offsets]
             x, y = windows[:, :-1], windows[:, 1:]
-            logits = model(x)
-            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / t.gradient_accumulation_steps
-            loss.backward()
+            last = micro == t.gradient_accumulation_steps - 1
+            with ddp.no_sync() if world > 1 and not last else contextlib.nullcontext():  # all-reduce once per step
+                logits = ddp(x)
+                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / t.gradient_accumulation_steps
+                loss.backward()
         if t.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
         optimizer.step()
@@ -72,8 +84,11 @@ def main(argv: list[str]) -> None:
                 t_steady = time.perf_counter()  # the first interval holds warm-up; leave it out
     elapsed = time.perf_counter() - t_steady
     steady_steps = t.max_steps - t.log_interval
-    tok_s = steady_steps * t.batch_size * t.gradient_accumulation_steps * m.block_size / elapsed
-    print(json.dumps({"tokens_per_sec": tok_s, "step_time_s": elapsed / steady_steps, "losses": losses}))
+    tok_s = world * steady_steps * t.batch_size * t.gradient_accumulation_steps * m.block_size / elapsed
+    if rank == 0:
+        print(json.dumps({"tokens_per_sec": tok_s, "step_time_s": elapsed / steady_steps, "losses": losses}))
+    if world > 1:
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ class Cell:
     topology: str  # processes x threads, in words
     config: str = BASELINE
     overrides: tuple[str, ...] = ()
-    runner: str = "train"  # train | torchrun | bare
+    runner: str = "train"  # train | torchrun | bare | bare_torchrun
     nproc: int = 1
     threads: int | None = None  # OMP_NUM_THREADS; None: torch's default (one per core)
     in_quick: bool = True
@@ -66,8 +66,12 @@ def cells() -> list[Cell]:
              overrides=("model.activation_checkpointing=true",)),
         Cell("workers1", "1 DataLoader worker (data.num_workers=1)", both, overrides=("data.num_workers=1",)),
         Cell("workers2", "2 DataLoader workers (data.num_workers=2)", both, overrides=("data.num_workers=2",), in_quick=False),
+        Cell("bare1x1", "bare loop, one thread", "1 process, 1 thread", runner="bare", threads=1,
+             overrides=("--keep-freed-memory",), in_quick=False),
         Cell("1x1", "train.py, one thread", "1 process, 1 thread", threads=1),
         Cell("2x1", "train.py, DDP (torchrun, gloo)", "2 processes, 1 thread each", runner="torchrun", nproc=2, threads=1),
+        Cell("bare2x1", "bare DDP loop (torch DDP, gloo; no framework)", "2 processes, 1 thread each", runner="bare_torchrun",
+             nproc=2, threads=1, overrides=("--keep-freed-memory",), in_quick=False),
     ]
 
 
@@ -76,6 +80,19 @@ def cells() -> list[Cell]:
 
 def load1() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0])
+
+
+def busy_cpu_s() -> float:
+    """CPU seconds all processes on the machine have used (the non-idle columns of /proc/stat)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
+
+
+def children_cpu_s() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def launch(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int, str]:
@@ -87,6 +104,9 @@ def launch(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int, st
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         return 124, out
+    except BaseException:  # Ctrl-C or SIGTERM (see main): take the launch down with us
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     return proc.returncode, out
 
 
@@ -109,20 +129,21 @@ def run_cell(cell: Cell, steps: int, tmp: Path, timeout: float) -> dict:
     env.pop("OMP_NUM_THREADS", None)
     if cell.threads:
         env["OMP_NUM_THREADS"] = str(cell.threads)
-    if cell.runner == "bare":
-        cmd = [PYTHON, "scripts/bare_loop.py", "--config", cell.config, *common]
-    elif cell.runner == "torchrun":
-        cmd = [TORCHRUN, "--nproc-per-node", str(cell.nproc), "--master-port", str(free_port()), "train.py",
-               "--config", cell.config, *common]
-    else:
-        cmd = [PYTHON, "train.py", "--config", cell.config, *common]
-    load_before, t0 = load1(), time.perf_counter()
+    script = "scripts/bare_loop.py" if cell.runner.startswith("bare") else "train.py"
+    cmd = [PYTHON, script, "--config", cell.config, *common]
+    if cell.runner.endswith("torchrun"):
+        cmd = [TORCHRUN, "--nproc-per-node", str(cell.nproc), "--master-port", str(free_port()), *cmd[1:]]
+    load_before, t0, busy0, mine0 = load1(), time.perf_counter(), busy_cpu_s(), children_cpu_s()
     rc, output = launch(cmd, env, timeout)
-    result = {"cmd": " ".join(cmd), "rc": rc, "wall_s": time.perf_counter() - t0, "load1": (load_before + load1()) / 2}
+    wall = time.perf_counter() - t0
+    # Cores other processes kept busy meanwhile: all busy CPU time minus this launch's own (a cleaner
+    # "how quiet was the machine" than the load average, which counts our own processes too).
+    others = max(0.0, (busy_cpu_s() - busy0) - (children_cpu_s() - mine0)) / wall
+    result = {"cmd": " ".join(cmd), "rc": rc, "wall_s": wall, "load1": (load_before + load1()) / 2, "other_cores": others}
     if rc != 0:
         result["error"] = output[-2000:]
         return result
-    if cell.runner == "bare":
+    if cell.runner.startswith("bare"):
         figures = json.loads(output.strip().splitlines()[-1])
         result.update(tokens_per_sec=figures["tokens_per_sec"], losses={int(k): v for k, v in figures["losses"].items()})
         return result
@@ -151,7 +172,7 @@ def stats(values: list[float]) -> dict | None:
 def cell_stats(cell: Cell) -> dict:
     ok = [r for r in cell.runs if r["rc"] == 0]
     pick = lambda key: [r[key] for r in ok if r.get(key) is not None]  # noqa: E731
-    return {key: stats(pick(key)) for key in ("tokens_per_sec", "data_time_frac", "time_to_first_step_s", "peak_memory_mb", "load1")} | {
+    return {key: stats(pick(key)) for key in ("tokens_per_sec", "data_time_frac", "time_to_first_step_s", "peak_memory_mb", "load1", "other_cores")} | {
         "failed": len(cell.runs) - len(ok)}
 
 
@@ -198,20 +219,25 @@ def report(selected: list[Cell], args: argparse.Namespace, info: dict) -> tuple[
     lines = [
         f"Machine: {info['cpu']}, {info['cores']} cores, Python {info['python']}, torch {info['torch']}; {info['date']}.",
         f"Each cell: {args.repeats} launches x {args.steps} steps of `{BASELINE}` (batch 12 x 64 tokens per process), "
-        "median tokens/s over the steady state (first 10 steps, evaluation and checkpoints left out); "
-        "spread = (max - min) / median over the launches; load = mean 1-minute load average during the cell's launches.",
+        "median tokens/s over the steady state (first 10 steps, evaluation and checkpoints left out); vs template = median "
+        "of the per-repeat ratios; "
+        "spread = (max - min) / median over the launches; others = CPU cores other processes kept busy during the "
+        "launches (median; the machine has " + str(info["cores"]) + "); load = 1-minute load average (counts the benchmark's own processes).",
         "",
-        "| cell | topology | feature | tokens/s (median) | spread | vs template | data wait | first step (s) | peak RSS (MB) | load |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| cell | topology | feature | tokens/s (median) | spread | vs template | data wait | first step (s) | peak RSS (MB) | others | load |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in selected:
         s = cell_stats(c)
-        vs = ratio_of_medians(c, template) if template and c is not template and c.runner != "torchrun" and not c.threads else None
+        # Median of per-repeat ratios: run i of a cell and of the template ran minutes apart at most.
+        pairs = paired_ratios(c, template) if template and c is not template and c.nproc == 1 and not c.threads else []
+        vs = statistics.median(pairs) if pairs else None
         spread = f"{s['tokens_per_sec']['spread_pct']:.1f}%" if s["tokens_per_sec"] else "-"
         failed = f" ({s['failed']} failed)" if s["failed"] else ""
         lines.append(f"| {c.name} | {c.topology} | {c.feature}{failed} | {fmt(s['tokens_per_sec'])} | {spread} | "
                      f"{f'{vs:.3f}x' if vs else '-'} | {fmt(s['data_time_frac'], pct=True)} | "
-                     f"{fmt(s['time_to_first_step_s'], digits=1)} | {fmt(s['peak_memory_mb'])} | {fmt(s['load1'], digits=2)} |")
+                     f"{fmt(s['time_to_first_step_s'], digits=1)} | {fmt(s['peak_memory_mb'])} | {fmt(s['other_cores'], digits=2)} | "
+                     f"{fmt(s['load1'], digits=2)} |")
 
     targets: dict = {}
     lines += ["", "| target | measured | goal | met |", "|---|---:|---:|:---:|"]
@@ -230,6 +256,17 @@ def report(selected: list[Cell], args: argparse.Namespace, info: dict) -> tuple[
         targets["dp_scaling_2_procs"] = r
         lines.append(f"| DDP scaling: 2 processes x 1 thread / 1 process x 1 thread (tokens/s) | {f'{r:.2f}x' if r else '-'} | "
                      f">= 1.80x | {'yes' if r and r >= 1.8 else 'no'} |")
+    if "bare2x1" in by and "bare1x1" in by:
+        r = ratio_of_medians(by["bare2x1"], by["bare1x1"])
+        targets["bare_dp_scaling_2_procs"] = r
+        lines.append(f"| the floor: bare DDP loop, 2 processes x 1 thread / bare loop x 1 thread | {f'{r:.2f}x' if r else '-'} | "
+                     "(reference) | - |")
+    if "2x1" in by and "bare2x1" in by:
+        pairs = paired_ratios(by["2x1"], by["bare2x1"])
+        r = statistics.median(pairs) if pairs else None
+        targets["ddp_template_vs_bare_ddp"] = r
+        lines.append(f"| DDP: train.py / bare DDP loop, 2 processes x 1 thread (median of {len(pairs)} pairs) | "
+                     f"{f'{r:.3f}' if r else '-'} | >= 0.97 | {'yes' if r and r >= 0.97 else 'no'} |")
     if template:
         d = cell_stats(template)["data_time_frac"]
         targets["data_time_frac"] = d["median"] if d else None
@@ -259,6 +296,7 @@ def main() -> None:
     ap.add_argument("--out", default="runs/benchmark", help="folder for benchmark.json and benchmark.md")
     ap.add_argument("--update-docs", action="store_true", help=f"write the table into {DOC.relative_to(REPO)} between its markers")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through launch(), which kills the child
     args.steps = args.steps or (100 if args.quick else 300)
     args.repeats = args.repeats or (2 if args.quick else 3)
     if args.steps < 20:
