@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Benchmark matrix: configs x topologies x speed features, each cell repeated, medians and spread.
 
-    python scripts/benchmark.py --quick                  about 4 minutes on a quiet 2-core machine
-    python scripts/benchmark.py                          the full matrix (compile included), about 15 minutes
+    python scripts/benchmark.py --quick                  about 3-4 minutes on this 2-core machine
+    python scripts/benchmark.py                          the full matrix (compile, bare DDP included), about 10 minutes
     python scripts/benchmark.py --cells bare,template --repeats 5 --steps 400
     python scripts/benchmark.py --update-docs            also put the table into docs/BENCHMARKS.md
 
