@@ -20,14 +20,26 @@ from parallel_train.perf import mfu, peak_flops, process_age_s
 
 
 def test_speed_config_keys_parse_and_validate():
-    cfg, _ = load_config(["train.compile=true", "model.activation_checkpointing=true", "train.peak_tflops=312",
-                          "train.tf32=false", "data.tokenizer=byte", "data.path=synthetic", "train.mixed_precision=no"])
+    cfg, _ = load_config(
+        [
+            "train.compile=true",
+            "model.activation_checkpointing=true",
+            "train.peak_tflops=312",
+            "train.tf32=false",
+            "data.tokenizer=byte",
+            "data.path=synthetic",
+            "train.mixed_precision=no",
+        ]
+    )
     assert cfg.train.compile and cfg.model.activation_checkpointing and not cfg.train.tf32
     assert (cfg.train.peak_tflops, cfg.data.tokenizer, cfg.data.path) == (312.0, "byte", "synthetic")
     assert cfg.train.mixed_precision == "no"  # YAML reads a bare `no` as False; the str field keeps "no"
     assert not Config().train.compile and not Config().model.activation_checkpointing  # off by default
-    for bad, key in (("data.tokenizer=bpe", "data.tokenizer"), ("train.peak_tflops=-1", "train.peak_tflops"),
-                     ("train.compile=maybe", "train.compile")):
+    for bad, key in (
+        ("data.tokenizer=bpe", "data.tokenizer"),
+        ("train.peak_tflops=-1", "train.peak_tflops"),
+        ("train.compile=maybe", "train.compile"),
+    ):
         with pytest.raises(UserError, match=key):
             load_config([bad])
     for name in ("configs/gpt2_124m.yaml", "configs/shakespeare_char_cpu.yaml"):
@@ -104,9 +116,20 @@ def test_peak_flops_and_mfu(monkeypatch):
 def test_run_reports_speed_metrics_with_activation_checkpointing(tmp_path):
     """One real launch: synthetic data, activation checkpointing, a peak set by config -> MFU everywhere."""
     out = tmp_path / "run"
-    check(run(train_cmd(*TINY, "data.path=synthetic", "model.vocab_size=128", "data.num_samples=4000",
-                        "model.activation_checkpointing=true", "train.peak_tflops=0.05", f"output_dir={out}"),
-              env=launch_env(tmp_path)))
+    check(
+        run(
+            train_cmd(
+                *TINY,
+                "data.path=synthetic",
+                "model.vocab_size=128",
+                "data.num_samples=4000",
+                "model.activation_checkpointing=true",
+                "train.peak_tflops=0.05",
+                f"output_dir={out}",
+            ),
+            env=launch_env(tmp_path),
+        )
+    )
     train = [r for r in read_metrics(out) if r["kind"] == "train"]
     for r in train:
         assert r["tokens_per_sec"] > 0 and r["step_time_s"] > 0 and 0 <= r["data_time_frac"] <= 1 and r["mfu"] > 0
@@ -121,8 +144,7 @@ def test_compile_switch_trains_like_eager(tmp_path):
     losses = {}
     for flag in ("false", "true"):
         out = tmp_path / flag
-        check(run(train_cmd(*TINY, f"train.compile={flag}", "eval.interval=0", f"output_dir={out}"),
-                  env=launch_env(tmp_path), timeout=900))
+        check(run(train_cmd(*TINY, f"train.compile={flag}", "eval.interval=0", f"output_dir={out}"), env=launch_env(tmp_path), timeout=900))
         losses[flag] = [r["loss"] for r in read_metrics(out) if r["kind"] == "train"]
     assert losses["true"] == pytest.approx(losses["false"], rel=1e-3, abs=1e-4)
     from safetensors.torch import load_file
@@ -137,8 +159,13 @@ def test_benchmark_cli_and_bare_loop_match_train_py(tmp_path):
     bad = run([PYTHON, "scripts/benchmark.py", "--cells", "nope"], timeout=60)
     assert bad.returncode == 2 and "unknown cells" in bad.stderr
     out = tmp_path / "bench"
-    check(run([PYTHON, "scripts/benchmark.py", "--cells", "bare,template", "--steps", "20", "--repeats", "1",
-               "--out", str(out)], env=launch_env(tmp_path), timeout=600))
+    check(
+        run(
+            [PYTHON, "scripts/benchmark.py", "--cells", "bare,template", "--steps", "20", "--repeats", "1", "--out", str(out)],
+            env=launch_env(tmp_path),
+            timeout=600,
+        )
+    )
     result = json.loads((out / "benchmark.json").read_text())
     target = result["targets"]["template_vs_bare"]
     assert target["max_loss_gap"] < 1e-4  # same weights, same batches, same optimizer: the same losses
