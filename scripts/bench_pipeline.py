@@ -32,8 +32,18 @@ DOC = REPO / "docs" / "BENCHMARKS.md"
 SECTION = "## Pipeline parallelism"
 START, END = "<!-- pipeline:start -->", "<!-- pipeline:end -->"
 # The baby GPT of the reference numbers (4 layers, 128 wide, block 64); batch 32 so M=8 still has 4 samples.
-MODEL = ("model.n_layer=4", "model.n_head=4", "model.n_embd=128", "model.block_size=64", "train.batch_size=32",
-         "tracker=none", "eval.interval=0", "eval.iters=2", "checkpoint.interval=0", "train.warmup_steps=0")
+MODEL = (
+    "model.n_layer=4",
+    "model.n_head=4",
+    "model.n_embd=128",
+    "model.block_size=64",
+    "train.batch_size=32",
+    "tracker=none",
+    "eval.interval=0",
+    "eval.iters=2",
+    "checkpoint.interval=0",
+    "train.warmup_steps=0",
+)
 
 
 def free_port() -> int:
@@ -52,16 +62,29 @@ def launch(kind: str, m: int, steps: int, schedule: str, tmp: Path) -> dict:
     elif kind == "inprocess":
         cmd = [PYTHON, "train.py", *common, "parallel.pipeline_stages=2", "parallel.stage_devices=[cpu,cpu]", f"parallel.microbatches={m}"]
     else:
-        cmd = [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()), "train.py", *common,
-               "parallel.pipeline_stages=2", f"parallel.microbatches={m}", f"parallel.schedule={schedule if m >= 2 else 'gpipe'}"]
+        cmd = [
+            TORCHRUN,
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "train.py",
+            *common,
+            "parallel.pipeline_stages=2",
+            f"parallel.microbatches={m}",
+            f"parallel.schedule={schedule if m >= 2 else 'gpipe'}",
+        ]
     env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp), WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
     load_before = os.getloadavg()[0]
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     if result.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed:\n{result.stderr[-3000:]}")
     summary = json.loads((out / "summary.json").read_text())
-    return {"tok_s": summary["tokens_per_sec"], "bubble": summary.get("pipeline_bubble_measured"),
-            "load": (load_before + os.getloadavg()[0]) / 2}
+    return {
+        "tok_s": summary["tokens_per_sec"],
+        "bubble": summary.get("pipeline_bubble_measured"),
+        "load": (load_before + os.getloadavg()[0]) / 2,
+    }
 
 
 def table(cells: dict[tuple[str, int], list[dict]], microbatches: list[int], schedule: str, steps: int, repeats: int) -> str:
@@ -80,12 +103,16 @@ def table(cells: dict[tuple[str, int], list[dict]], microbatches: list[int], sch
     for m in microbatches:
         pipe, bubble = med(("pipeline", m)), med(("pipeline", m), "bubble")
         load = statistics.mean(r["load"] for k in (("single", 0), ("pipeline", m)) for r in cells[k])
-        lines.append(f"| {m} | {single:,.0f} | {pipe:,.0f} | {pipe / single:.2f}x | {2 * m / (m + 1):.2f}x | "
-                     f"{bubble:.0%} | {1 / (m + 1):.0%} | {load:.1f} |")
+        lines.append(
+            f"| {m} | {single:,.0f} | {pipe:,.0f} | {pipe / single:.2f}x | {2 * m / (m + 1):.2f}x | "
+            f"{bubble:.0%} | {1 / (m + 1):.0%} | {load:.1f} |"
+        )
     if ("inprocess", 4) in cells:
         inproc = med(("inprocess", 4))
-        lines.append(f"| 4, one process on [cpu,cpu] (executor 1) | {single:,.0f} | {inproc:,.0f} | {inproc / single:.2f}x | 1.00x "
-                     f"(one thread: no overlap) | {med(('inprocess', 4), 'bubble'):.0%} | 20% | - |")
+        lines.append(
+            f"| 4, one process on [cpu,cpu] (executor 1) | {single:,.0f} | {inproc:,.0f} | {inproc / single:.2f}x | 1.00x "
+            f"(one thread: no overlap) | {med(('inprocess', 4), 'bubble'):.0%} | 20% | - |"
+        )
     return "\n".join(lines)
 
 
@@ -93,7 +120,7 @@ def update_docs(text: str) -> None:
     block = f"{START}\n{text}\n{END}"
     doc = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
     if START in doc:
-        doc = doc[: doc.index(START)] + block + doc[doc.index(END) + len(END):]
+        doc = doc[: doc.index(START)] + block + doc[doc.index(END) + len(END) :]
     else:
         doc = doc.rstrip("\n") + f"\n\n{SECTION}\n\n{block}\n"
     DOC.write_text(doc)

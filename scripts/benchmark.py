@@ -57,21 +57,46 @@ def cells() -> list[Cell]:
     both = f"1 process, {os.cpu_count()} threads"
     return [
         Cell("bare", "bare loop (scripts/bare_loop.py: no framework)", both, runner="bare"),
-        Cell("bare_malloc", "bare loop + the template's malloc setting (--keep-freed-memory)", both, runner="bare",
-             overrides=("--keep-freed-memory",), in_quick=False),
+        Cell(
+            "bare_malloc",
+            "bare loop + the template's malloc setting (--keep-freed-memory)",
+            both,
+            runner="bare",
+            overrides=("--keep-freed-memory",),
+            in_quick=False,
+        ),
         Cell("template", "train.py, defaults (fp32, eager)", both),
         Cell("bf16", "bf16 autocast (train.mixed_precision=bf16)", both, overrides=("train.mixed_precision=bf16",)),
         Cell("compile", "torch.compile (train.compile=true)", both, overrides=("train.compile=true",), in_quick=False),
-        Cell("ckpt", "activation checkpointing (model.activation_checkpointing=true)", both,
-             overrides=("model.activation_checkpointing=true",)),
+        Cell(
+            "ckpt",
+            "activation checkpointing (model.activation_checkpointing=true)",
+            both,
+            overrides=("model.activation_checkpointing=true",),
+        ),
         Cell("workers1", "1 DataLoader worker (data.num_workers=1)", both, overrides=("data.num_workers=1",)),
         Cell("workers2", "2 DataLoader workers (data.num_workers=2)", both, overrides=("data.num_workers=2",), in_quick=False),
-        Cell("bare1x1", "bare loop, one thread", "1 process, 1 thread", runner="bare", threads=1,
-             overrides=("--keep-freed-memory",), in_quick=False),
+        Cell(
+            "bare1x1",
+            "bare loop, one thread",
+            "1 process, 1 thread",
+            runner="bare",
+            threads=1,
+            overrides=("--keep-freed-memory",),
+            in_quick=False,
+        ),
         Cell("1x1", "train.py, one thread", "1 process, 1 thread", threads=1),
         Cell("2x1", "train.py, DDP (torchrun, gloo)", "2 processes, 1 thread each", runner="torchrun", nproc=2, threads=1),
-        Cell("bare2x1", "bare DDP loop (torch DDP, gloo; no framework)", "2 processes, 1 thread each", runner="bare_torchrun",
-             nproc=2, threads=1, overrides=("--keep-freed-memory",), in_quick=False),
+        Cell(
+            "bare2x1",
+            "bare DDP loop (torch DDP, gloo; no framework)",
+            "2 processes, 1 thread each",
+            runner="bare_torchrun",
+            nproc=2,
+            threads=1,
+            overrides=("--keep-freed-memory",),
+            in_quick=False,
+        ),
     ]
 
 
@@ -96,8 +121,7 @@ def children_cpu_s() -> float:
 
 
 def launch(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int, str]:
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -121,11 +145,19 @@ def free_port() -> int:
 def run_cell(cell: Cell, steps: int, tmp: Path, timeout: float) -> dict:
     """One launch of the cell; returns its figures (or an error)."""
     out_dir = tmp / f"{cell.name}-{len(cell.runs)}"
-    common = (f"train.max_steps={steps}", f"train.lr_decay_steps={steps}", "train.log_interval=10",
-              "eval.interval=0", "eval.iters=2", "checkpoint.interval=0", "tracker=none", "resume=none",
-              f"output_dir={out_dir}", *cell.overrides)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(tmp), WANDB_MODE="disabled", HF_DATASETS_OFFLINE="1",
-               HF_HUB_OFFLINE="1")
+    common = (
+        f"train.max_steps={steps}",
+        f"train.lr_decay_steps={steps}",
+        "train.log_interval=10",
+        "eval.interval=0",
+        "eval.iters=2",
+        "checkpoint.interval=0",
+        "tracker=none",
+        "resume=none",
+        f"output_dir={out_dir}",
+        *cell.overrides,
+    )
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(tmp), WANDB_MODE="disabled", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
     env.pop("OMP_NUM_THREADS", None)
     if cell.threads:
         env["OMP_NUM_THREADS"] = str(cell.threads)
@@ -150,10 +182,14 @@ def run_cell(cell: Cell, steps: int, tmp: Path, timeout: float) -> dict:
     summary = json.loads((out_dir / "summary.json").read_text())
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if '"train"' in line]
     steady = records[1:] or records  # the first interval holds warm-up (and compilation)
-    result.update(tokens_per_sec=summary["tokens_per_sec"], time_to_first_step_s=summary["time_to_first_step_s"],
-                  peak_memory_mb=summary["peak_memory_mb"], final_train_loss=summary["final_train_loss"],
-                  data_time_frac=statistics.mean(r["data_time_frac"] for r in steady),
-                  losses={r["step"]: r["loss"] for r in records})
+    result.update(
+        tokens_per_sec=summary["tokens_per_sec"],
+        time_to_first_step_s=summary["time_to_first_step_s"],
+        peak_memory_mb=summary["peak_memory_mb"],
+        final_train_loss=summary["final_train_loss"],
+        data_time_frac=statistics.mean(r["data_time_frac"] for r in steady),
+        losses={r["step"]: r["loss"] for r in records},
+    )
     shutil.rmtree(out_dir, ignore_errors=True)
     return result
 
@@ -165,15 +201,22 @@ def stats(values: list[float]) -> dict | None:
     if not values:
         return None
     med = statistics.median(values)
-    return {"median": med, "min": min(values), "max": max(values), "spread_pct": 100 * (max(values) - min(values)) / med if med else 0.0,
-            "n": len(values)}
+    return {
+        "median": med,
+        "min": min(values),
+        "max": max(values),
+        "spread_pct": 100 * (max(values) - min(values)) / med if med else 0.0,
+        "n": len(values),
+    }
 
 
 def cell_stats(cell: Cell) -> dict:
     ok = [r for r in cell.runs if r["rc"] == 0]
     pick = lambda key: [r[key] for r in ok if r.get(key) is not None]  # noqa: E731
-    return {key: stats(pick(key)) for key in ("tokens_per_sec", "data_time_frac", "time_to_first_step_s", "peak_memory_mb", "load1", "other_cores")} | {
-        "failed": len(cell.runs) - len(ok)}
+    return {
+        key: stats(pick(key))
+        for key in ("tokens_per_sec", "data_time_frac", "time_to_first_step_s", "peak_memory_mb", "load1", "other_cores")
+    } | {"failed": len(cell.runs) - len(ok)}
 
 
 def ratio_of_medians(a: Cell | None, b: Cell | None) -> float | None:
@@ -183,8 +226,7 @@ def ratio_of_medians(a: Cell | None, b: Cell | None) -> float | None:
 
 def paired_ratios(a: Cell, b: Cell) -> list[float]:
     """Ratio per repeat (run i of a against run i of b, launched back to back)."""
-    return [x["tokens_per_sec"] / y["tokens_per_sec"] for x, y in zip(a.runs, b.runs, strict=False)
-            if x["rc"] == 0 and y["rc"] == 0]
+    return [x["tokens_per_sec"] / y["tokens_per_sec"] for x, y in zip(a.runs, b.runs, strict=False) if x["rc"] == 0 and y["rc"] == 0]
 
 
 def loss_gap(a: Cell, b: Cell) -> float | None:
@@ -205,12 +247,20 @@ def fmt(s: dict | None, scale: float = 1.0, digits: int = 0, pct: bool = False) 
 
 
 def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
+        platform.processor(),
+    )
     import torch
 
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M %Z")}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+    }
 
 
 def report(selected: list[Cell], args: argparse.Namespace, info: dict) -> tuple[str, dict]:
@@ -222,7 +272,9 @@ def report(selected: list[Cell], args: argparse.Namespace, info: dict) -> tuple[
         "median tokens/s over the steady state (first 10 steps, evaluation and checkpoints left out); vs template = median "
         "of the per-repeat ratios; "
         "spread = (max - min) / median over the launches; others = CPU cores other processes kept busy during the "
-        "launches (median; the machine has " + str(info["cores"]) + "); load = 1-minute load average (counts the benchmark's own processes).",
+        "launches (median; the machine has "
+        + str(info["cores"])
+        + "); load = 1-minute load average (counts the benchmark's own processes).",
         "",
         "| cell | topology | feature | tokens/s (median) | spread | vs template | data wait | first step (s) | peak RSS (MB) | others | load |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -234,10 +286,12 @@ def report(selected: list[Cell], args: argparse.Namespace, info: dict) -> tuple[
         vs = statistics.median(pairs) if pairs else None
         spread = f"{s['tokens_per_sec']['spread_pct']:.1f}%" if s["tokens_per_sec"] else "-"
         failed = f" ({s['failed']} failed)" if s["failed"] else ""
-        lines.append(f"| {c.name} | {c.topology} | {c.feature}{failed} | {fmt(s['tokens_per_sec'])} | {spread} | "
-                     f"{f'{vs:.3f}x' if vs else '-'} | {fmt(s['data_time_frac'], pct=True)} | "
-                     f"{fmt(s['time_to_first_step_s'], digits=1)} | {fmt(s['peak_memory_mb'])} | {fmt(s['other_cores'], digits=2)} | "
-                     f"{fmt(s['load1'], digits=2)} |")
+        lines.append(
+            f"| {c.name} | {c.topology} | {c.feature}{failed} | {fmt(s['tokens_per_sec'])} | {spread} | "
+            f"{f'{vs:.3f}x' if vs else '-'} | {fmt(s['data_time_frac'], pct=True)} | "
+            f"{fmt(s['time_to_first_step_s'], digits=1)} | {fmt(s['peak_memory_mb'])} | {fmt(s['other_cores'], digits=2)} | "
+            f"{fmt(s['load1'], digits=2)} |"
+        )
 
     targets: dict = {}
     lines += ["", "| target | measured | goal | met |", "|---|---:|---:|:---:|"]
@@ -246,31 +300,42 @@ def report(selected: list[Cell], args: argparse.Namespace, info: dict) -> tuple[
         r = statistics.median(pairs) if pairs else None
         gap = loss_gap(template, by["bare"])
         targets["template_vs_bare"] = {"median_of_paired_ratios": r, "paired_ratios": pairs, "max_loss_gap": gap}
-        lines.append(f"| train.py tokens/s / bare loop tokens/s (median of {len(pairs)} back-to-back pairs) | "
-                     f"{f'{r:.3f}' if r else '-'} | >= 0.97 | {'yes' if r and r >= 0.97 else 'no'} |")
+        lines.append(
+            f"| train.py tokens/s / bare loop tokens/s (median of {len(pairs)} back-to-back pairs) | "
+            f"{f'{r:.3f}' if r else '-'} | >= 0.97 | {'yes' if r and r >= 0.97 else 'no'} |"
+        )
         if gap is not None:
-            lines.append(f"| same batches: largest loss gap, train.py vs bare loop, at equal steps | {gap:.1e} | < 1e-3 | "
-                         f"{'yes' if gap < 1e-3 else 'no'} |")
+            lines.append(
+                f"| same batches: largest loss gap, train.py vs bare loop, at equal steps | {gap:.1e} | < 1e-3 | "
+                f"{'yes' if gap < 1e-3 else 'no'} |"
+            )
     if "2x1" in by and "1x1" in by:
         r = ratio_of_medians(by["2x1"], by["1x1"])
         targets["dp_scaling_2_procs"] = r
-        lines.append(f"| DDP scaling: 2 processes x 1 thread / 1 process x 1 thread (tokens/s) | {f'{r:.2f}x' if r else '-'} | "
-                     f">= 1.80x | {'yes' if r and r >= 1.8 else 'no'} |")
+        lines.append(
+            f"| DDP scaling: 2 processes x 1 thread / 1 process x 1 thread (tokens/s) | {f'{r:.2f}x' if r else '-'} | "
+            f">= 1.80x | {'yes' if r and r >= 1.8 else 'no'} |"
+        )
     if "bare2x1" in by and "bare1x1" in by:
         r = ratio_of_medians(by["bare2x1"], by["bare1x1"])
         targets["bare_dp_scaling_2_procs"] = r
-        lines.append(f"| the floor: bare DDP loop, 2 processes x 1 thread / bare loop x 1 thread | {f'{r:.2f}x' if r else '-'} | "
-                     "(reference) | - |")
+        lines.append(
+            f"| the floor: bare DDP loop, 2 processes x 1 thread / bare loop x 1 thread | {f'{r:.2f}x' if r else '-'} | (reference) | - |"
+        )
     if "2x1" in by and "bare2x1" in by:
         pairs = paired_ratios(by["2x1"], by["bare2x1"])
         r = statistics.median(pairs) if pairs else None
         targets["ddp_template_vs_bare_ddp"] = r
-        lines.append(f"| DDP: train.py / bare DDP loop, 2 processes x 1 thread (median of {len(pairs)} pairs) | "
-                     f"{f'{r:.3f}' if r else '-'} | >= 0.97 | {'yes' if r and r >= 0.97 else 'no'} |")
+        lines.append(
+            f"| DDP: train.py / bare DDP loop, 2 processes x 1 thread (median of {len(pairs)} pairs) | "
+            f"{f'{r:.3f}' if r else '-'} | >= 0.97 | {'yes' if r and r >= 0.97 else 'no'} |"
+        )
     if template:
         d = cell_stats(template)["data_time_frac"]
         targets["data_time_frac"] = d["median"] if d else None
-        lines.append(f"| data wait share of the step (template) | {fmt(d, pct=True)} | < 2% | {'yes' if d and d['median'] < 0.02 else 'no'} |")
+        lines.append(
+            f"| data wait share of the step (template) | {fmt(d, pct=True)} | < 2% | {'yes' if d and d['median'] < 0.02 else 'no'} |"
+        )
         f = cell_stats(template)["time_to_first_step_s"]
         lines.append(f"| time from process start to the end of step 1 (template) | {fmt(f, digits=1)} s | reported | yes |")
     return "\n".join(lines) + "\n", targets
@@ -282,7 +347,7 @@ def update_docs(table: str) -> None:
     if DOC_START not in text or DOC_END not in text:
         raise SystemExit(f"{DOC} lacks the {DOC_START} / {DOC_END} markers; add them where the table goes")
     head, rest = text.split(DOC_START, 1)
-    DOC.write_text(head + DOC_START + "\n" + table + rest[rest.index(DOC_END):])
+    DOC.write_text(head + DOC_START + "\n" + table + rest[rest.index(DOC_END) :])
 
 
 def main() -> None:
@@ -320,17 +385,37 @@ def main() -> None:
                 r = run_cell(c, args.steps, Path(tmp), args.timeout)
                 c.runs.append(r)
                 got = f"{r['tokens_per_sec']:,.0f} tok/s" if r["rc"] == 0 else f"FAILED (exit {r['rc']})\n{r.get('error', '')}"
-                print(f"[{time.perf_counter() - t0:6.0f} s] repeat {rep + 1}/{args.repeats} {c.name:<9} {got}  load {r['load1']:.2f}",
-                      flush=True)
+                print(
+                    f"[{time.perf_counter() - t0:6.0f} s] repeat {rep + 1}/{args.repeats} {c.name:<9} {got}  load {r['load1']:.2f}",
+                    flush=True,
+                )
     table, targets = report(selected, args, info)
-    result = {"machine": info, "steps": args.steps, "repeats": args.repeats, "config": args.config,
-              "total_s": time.perf_counter() - t0, "targets": targets,
-              "cells": [{"name": c.name, "feature": c.feature, "topology": c.topology, "overrides": c.overrides, "runner": c.runner,
-                         "stats": cell_stats(c), "runs": c.runs} for c in selected]}
+    result = {
+        "machine": info,
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "config": args.config,
+        "total_s": time.perf_counter() - t0,
+        "targets": targets,
+        "cells": [
+            {
+                "name": c.name,
+                "feature": c.feature,
+                "topology": c.topology,
+                "overrides": c.overrides,
+                "runner": c.runner,
+                "stats": cell_stats(c),
+                "runs": c.runs,
+            }
+            for c in selected
+        ],
+    }
     (out / "benchmark.json").write_text(json.dumps(result, indent=1))
     (out / "benchmark.md").write_text(table)
-    print("\n" + table + f"\n{len(selected)} cells x {args.repeats} repeats in {result['total_s']:.0f} s; "
-          f"wrote {out / 'benchmark.md'} and {out / 'benchmark.json'}")
+    print(
+        "\n" + table + f"\n{len(selected)} cells x {args.repeats} repeats in {result['total_s']:.0f} s; "
+        f"wrote {out / 'benchmark.md'} and {out / 'benchmark.json'}"
+    )
     if args.update_docs:
         update_docs(table)
         print(f"updated {DOC}")

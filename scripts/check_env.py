@@ -48,20 +48,33 @@ def launch_info() -> dict:
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:  # torchrun, accelerate launch (both use torch's elastic agent)
         launcher = "torchrun/accelerate" if "TORCHELASTIC_RUN_ID" in env else "env"
-        return {"rank": int(env["RANK"]), "world": int(env["WORLD_SIZE"]), "local_rank": int(env.get("LOCAL_RANK", 0)),
-                "launcher": launcher, "addr": env.get("MASTER_ADDR", "127.0.0.1"), "port": int(env.get("MASTER_PORT", 29500))}
+        return {
+            "rank": int(env["RANK"]),
+            "world": int(env["WORLD_SIZE"]),
+            "local_rank": int(env.get("LOCAL_RANK", 0)),
+            "launcher": launcher,
+            "addr": env.get("MASTER_ADDR", "127.0.0.1"),
+            "port": int(env.get("MASTER_PORT", 29500)),
+        }
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:  # srun python scripts/check_env.py: one task per process
         addr = env.get("MASTER_ADDR") or slurm_head_node()
         port = int(env.get("MASTER_PORT") or 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
-        return {"rank": int(env["SLURM_PROCID"]), "world": int(env["SLURM_NTASKS"]), "local_rank": int(env.get("SLURM_LOCALID", 0)),
-                "launcher": "srun", "addr": addr, "port": port}
+        return {
+            "rank": int(env["SLURM_PROCID"]),
+            "world": int(env["SLURM_NTASKS"]),
+            "local_rank": int(env.get("SLURM_LOCALID", 0)),
+            "launcher": "srun",
+            "addr": addr,
+            "port": port,
+        }
     return {"rank": 0, "world": 1, "local_rank": 0, "launcher": "python", "addr": "127.0.0.1", "port": free_port()}
 
 
 def slurm_head_node() -> str:
     try:
-        hosts = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
-                               capture_output=True, text=True, check=True).stdout.split()
+        hosts = subprocess.run(
+            ["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]], capture_output=True, text=True, check=True
+        ).stdout.split()
         return hosts[0]
     except (OSError, KeyError, IndexError, subprocess.CalledProcessError):
         return os.environ.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1")
@@ -94,10 +107,19 @@ def local_report(info: dict) -> dict:
     nccl = "none"
     if torch.cuda.is_available() and dist.is_nccl_available():
         nccl = ".".join(map(str, torch.cuda.nccl.version()))
-    report = {"rank": info["rank"], "local_rank": info["local_rank"], "host": socket.gethostname(),
-              "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda or "none",
-              "nccl": nccl, "gloo": "yes" if dist.is_gloo_available() else "no",
-              "accelerate": version("accelerate"), "datasets": version("datasets"), "devices": devices()}
+    report = {
+        "rank": info["rank"],
+        "local_rank": info["local_rank"],
+        "host": socket.gethostname(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda or "none",
+        "nccl": nccl,
+        "gloo": "yes" if dist.is_gloo_available() else "no",
+        "accelerate": version("accelerate"),
+        "datasets": version("datasets"),
+        "devices": devices(),
+    }
     for item in filter(None, os.environ.get(FAKE_ENV, "").split(",")):
         rank, _, assignment = item.partition(":")
         key, _, value = assignment.partition("=")
@@ -156,7 +178,9 @@ def check_master(info: dict) -> tuple[str, list[str]]:
     try:
         ip = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0][4][0]
     except socket.gaierror as e:
-        return f"{addr}:{port}", [f"MASTER_ADDR {addr!r} does not resolve on this host ({e.strerror}); give an address or a name in /etc/hosts"]
+        return f"{addr}:{port}", [
+            f"MASTER_ADDR {addr!r} does not resolve on this host ({e.strerror}); give an address or a name in /etc/hosts"
+        ]
     where = f"{addr}:{port} ({ip})"
     if info["launcher"] == "torchrun/accelerate" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
         try:
@@ -291,11 +315,16 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MASTER_ADDR", info["addr"])
     os.environ.setdefault("MASTER_PORT", str(info["port"]))
     try:
-        dist.init_process_group("nccl" if cuda else "gloo", init_method="env://", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=args.timeout))
+        dist.init_process_group(
+            "nccl" if cuda else "gloo", init_method="env://", rank=rank, world_size=world, timeout=timedelta(seconds=args.timeout)
+        )
     except Exception as e:  # noqa: BLE001 (any failure to join is reported the same way)
-        print(f"[check_env] rank {rank} ({report['host']}): FAIL could not join the process group at {report['master']} "
-              f"within {args.timeout:g} s: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr, flush=True)
+        print(
+            f"[check_env] rank {rank} ({report['host']}): FAIL could not join the process group at {report['master']} "
+            f"within {args.timeout:g} s: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
     reports: list[dict] = [{} for _ in range(world)]
     dist.all_gather_object(reports, report)
@@ -311,14 +340,23 @@ def main(argv: list[str] | None = None) -> int:
         bench = allreduce_bench(sizes, args.iters, device, world)
 
     if rank == 0:
-        print(f"[check_env] {world} rank(s) on {len({r['host'] for r in reports})} host(s), launcher {info['launcher']}, "
-              f"backend {dist.get_backend()}, master {report['master']}")
+        print(
+            f"[check_env] {world} rank(s) on {len({r['host'] for r in reports})} host(s), launcher {info['launcher']}, "
+            f"backend {dist.get_backend()}, master {report['master']}"
+        )
         print(table(reports, ["rank", "host", "local_rank", *VERSIONS, "devices"]))
         print(table(reports, ["rank", "host", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"]))
         if bench:
             print(f"all_reduce (float32, sum, {world} ranks, mean of {args.iters}, slowest rank):")
-            rows = [{"size": human(b["bytes"]), "time (us)": f"{b['time_us']:.1f}", "algbw (GB/s)": f"{b['algbw_GBps']:.3f}",
-                     "busbw (GB/s)": f"{b['busbw_GBps']:.3f}"} for b in bench]
+            rows = [
+                {
+                    "size": human(b["bytes"]),
+                    "time (us)": f"{b['time_us']:.1f}",
+                    "algbw (GB/s)": f"{b['algbw_GBps']:.3f}",
+                    "busbw (GB/s)": f"{b['busbw_GBps']:.3f}",
+                }
+                for b in bench
+            ]
             print(table(rows, ["size", "time (us)", "algbw (GB/s)", "busbw (GB/s)"]))
         for w in warnings:
             print(f"[check_env] warning: {w}")
@@ -326,8 +364,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[check_env] FAIL {p}")
         print("[check_env] " + ("FAILED: fix the problems above before training" if problems else "OK: all ranks agree"), flush=True)
         if args.json:
-            Path(args.json).write_text(json.dumps({"world_size": world, "launcher": info["launcher"], "ranks": reports,
-                                                   "problems": problems, "warnings": warnings, "allreduce": bench}, indent=1))
+            Path(args.json).write_text(
+                json.dumps(
+                    {
+                        "world_size": world,
+                        "launcher": info["launcher"],
+                        "ranks": reports,
+                        "problems": problems,
+                        "warnings": warnings,
+                        "allreduce": bench,
+                    },
+                    indent=1,
+                )
+            )
     dist.barrier()
     dist.destroy_process_group()
     return 1 if problems else 0

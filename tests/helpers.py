@@ -34,8 +34,16 @@ class Result:
 def launch_env(tmp_path: Path | None = None, **extra: str) -> dict[str, str]:
     """Environment for a launched run: offline, quiet, temp files under tmp_path, one thread per process."""
     env = dict(os.environ)
-    env.update({"WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    env.update(
+        {
+            "WANDB_MODE": "offline",
+            "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     env.pop("WANDB_API_KEY", None)
     if tmp_path is not None:
         env["TMPDIR"] = str(tmp_path)  # torchelastic and inductor leave files under TMPDIR
@@ -45,8 +53,9 @@ def launch_env(tmp_path: Path | None = None, **extra: str) -> dict[str, str]:
 
 def run(cmd: list[str], timeout: float = 300, env: dict[str, str] | None = None, cwd: Path = REPO) -> Result:
     """Run cmd in its own session; on timeout kill the whole process group and fail loudly."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env or launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env or launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -58,8 +67,10 @@ def run(cmd: list[str], timeout: float = 300, env: dict[str, str] | None = None,
 
 def run_together(cmds: list[list[str]], envs: list[dict[str, str]], timeout: float = 300, cwd: Path = REPO) -> list[Result]:
     """Run several launches at once (e.g. one per "node"); on timeout kill every process group and fail loudly."""
-    procs = [subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-             for cmd, env in zip(cmds, envs, strict=True)]
+    procs = [
+        subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        for cmd, env in zip(cmds, envs, strict=True)
+    ]
     deadline = time.monotonic() + timeout
 
     def wait(proc: subprocess.Popen) -> tuple[str, str, bool]:
@@ -104,9 +115,21 @@ def torchrun_cmd(nproc: int, *overrides: str, launch_args: tuple[str, ...] = ())
 
 
 # Tiny, fast settings: a 2-layer 32-wide GPT, a few steps, few eval batches.
-TINY = ("model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16", "train.batch_size=4",
-        "train.max_steps=6", "train.warmup_steps=2", "train.lr_decay_steps=6", "train.log_interval=1",
-        "eval.interval=3", "eval.iters=4", "checkpoint.interval=3", "tracker=none")
+TINY = (
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.n_embd=32",
+    "model.block_size=16",
+    "train.batch_size=4",
+    "train.max_steps=6",
+    "train.warmup_steps=2",
+    "train.lr_decay_steps=6",
+    "train.log_interval=1",
+    "eval.interval=3",
+    "eval.iters=4",
+    "checkpoint.interval=3",
+    "tracker=none",
+)
 
 
 def read_metrics(out: Path) -> list[dict]:

@@ -64,8 +64,11 @@ def env(tmp_path_factory):
 
 
 def snapshot(folder: Path) -> dict[str, tuple[int, int, str]]:
-    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 # (id, arguments; {run} {files} are filled in, what the error line must contain)
@@ -88,7 +91,11 @@ CASES = [
     ("config_file_not_yaml", ["--config", "{files}/bad.yaml"], "bad.yaml: not valid YAML"),
     ("config_file_a_list", ["--config", "{files}/list.yaml"], "expected a mapping"),
     ("unknown_model", ["model.name=resnet"], "model.name: unknown model 'resnet'"),
-    ("stage_devices_count", ["parallel.stage_devices=[cpu,cpu,cpu]", "parallel.pipeline_stages=2"], "parallel.stage_devices: 3 devices given for 2"),
+    (
+        "stage_devices_count",
+        ["parallel.stage_devices=[cpu,cpu,cpu]", "parallel.pipeline_stages=2"],
+        "parallel.stage_devices: 3 devices given for 2",
+    ),
     ("fp16_on_cpu", ["train.mixed_precision=fp16"], "fp16 needs a GPU"),
     ("data_missing", ["data.path={files}/missing.txt"], "data.path: no such file"),
     ("data_empty", ["data.path={files}/empty.txt"], "is empty"),
@@ -110,12 +117,21 @@ CASES = [
 
 # Checked by the same code path as a case in the default run (config.py's coercion and range checks):
 # run with -m slow. The default run keeps 25 cases, one per kind of input.
-SLOW = {"int_with_fraction", "bool_word", "dropout_range", "learning_rate_nan", "min_lr_above_lr", "keep_zero",
-        "timeout_zero", "skipped_negative", "config_file_a_list", "section_as_value"}
+SLOW = {
+    "int_with_fraction",
+    "bool_word",
+    "dropout_range",
+    "learning_rate_nan",
+    "min_lr_above_lr",
+    "keep_zero",
+    "timeout_zero",
+    "skipped_negative",
+    "config_file_a_list",
+    "section_as_value",
+}
 
 
-@pytest.mark.parametrize("args, expected", [pytest.param(a, e, id=i, marks=[pytest.mark.slow] if i in SLOW else [])
-                                            for i, a, e in CASES])
+@pytest.mark.parametrize("args, expected", [pytest.param(a, e, id=i, marks=[pytest.mark.slow] if i in SLOW else []) for i, a, e in CASES])
 def test_bad_input(env, args, expected):
     fill = {"run": str(env["run"]), "files": str(env["files"])}
     args = [a.format(**fill) for a in args]

@@ -33,11 +33,20 @@ def test_interface_rules_sizes_and_mismatch_report(monkeypatch):
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth")  # gloo takes exact names
     assert "no interface 'eth' on this host" in ce.check_ifname("GLOO_SOCKET_IFNAME", have)[1][0]
     assert [ce.parse_size(s) for s in ("8K", "1M", "2GB", "100")] == [8192, 2**20, 2**31, 100]
-    base = {"host": "a", "python": "3.11", "torch": "2.13", "cuda": "12.8", "nccl": "2.27", "gloo": "yes",
-            "accelerate": "1.15", "datasets": "5.2"}
+    base = {
+        "host": "a",
+        "python": "3.11",
+        "torch": "2.13",
+        "cuda": "12.8",
+        "nccl": "2.27",
+        "gloo": "yes",
+        "accelerate": "1.15",
+        "datasets": "5.2",
+    }
     reports = [dict(base, rank=0), dict(base, rank=1, host="b", torch="2.12"), dict(base, rank=2, host="b", torch="2.12")]
     assert ce.mismatches(reports) == [
-        "version mismatch: torch differs across ranks: rank 1 (b) has 2.12, rank 2 (b) has 2.12; rank 0 (a) has 2.13"]
+        "version mismatch: torch differs across ranks: rank 1 (b) has 2.12, rank 2 (b) has 2.12; rank 0 (a) has 2.13"
+    ]
 
 
 def test_single_process_passes_and_a_missing_interface_fails(tmp_path):
@@ -53,8 +62,25 @@ def test_single_process_passes_and_a_missing_interface_fails(tmp_path):
 def test_two_ranks_table_allreduce_and_version_mismatch(tmp_path):
     # accelerate launch: every rank joins, one table, all-reduce timings with nccl-tests' bus bandwidth.
     env = launch_env(tmp_path, GLOO_SOCKET_IFNAME="lo")
-    r = check(run([ACCELERATE, "launch", "--config_file", "accelerate_configs/multi_cpu.yaml", SCRIPT, "--sizes", "4K,256K",
-                   "--iters", "3", "--json", str(tmp_path / "ok.json")], env=env, timeout=240))
+    r = check(
+        run(
+            [
+                ACCELERATE,
+                "launch",
+                "--config_file",
+                "accelerate_configs/multi_cpu.yaml",
+                SCRIPT,
+                "--sizes",
+                "4K,256K",
+                "--iters",
+                "3",
+                "--json",
+                str(tmp_path / "ok.json"),
+            ],
+            env=env,
+            timeout=240,
+        )
+    )
     report = json.loads((tmp_path / "ok.json").read_text())
     assert report["world_size"] == 2 and [x["rank"] for x in report["ranks"]] == [0, 1] and report["problems"] == []
     assert [b["bytes"] for b in report["allreduce"]] == [4096, 262144]
@@ -76,8 +102,15 @@ def test_srun_style_environment_without_a_launcher(tmp_path):
     port = free_port()
     envs = []
     for task in (0, 1):
-        env = launch_env(tmp_path, SLURM_PROCID=str(task), SLURM_NTASKS="2", SLURM_LOCALID=str(task), SLURM_JOB_ID="4242",
-                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env = launch_env(
+            tmp_path,
+            SLURM_PROCID=str(task),
+            SLURM_NTASKS="2",
+            SLURM_LOCALID=str(task),
+            SLURM_JOB_ID="4242",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
         for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
             env.pop(name, None)
         envs.append(env)

@@ -55,14 +55,17 @@ def test_explicit_split_with_ranges_and_left_out_dropout():
     assert plan_stages(model, 2, "tok_emb,pos_emb,blocks|ln_f,head")[0][-1] == "blocks.3"  # a whole row
 
 
-@pytest.mark.parametrize(("n_stages", "spec", "message"), [
-    (6, "auto", "only 5 parts"),  # more stages than blocks
-    (2, "tok_emb,pos_emb,blocks.0|blocks.9,ln_f,head", "unknown module 'blocks.9'"),
-    (2, "tok_emb,pos_emb,blocks.0|blocks.1,head", "'ln_f' is in no stage"),
-    (2, "blocks.1,ln_f,head|tok_emb,pos_emb,blocks.0", "forward order"),
-    (2, "tok_emb,blocks.0|pos_emb,blocks.1,ln_f,head", "put them in one stage"),
-    (3, "tok_emb,pos_emb,blocks.0|blocks.1,ln_f,head", "names 2 stages"),
-])
+@pytest.mark.parametrize(
+    ("n_stages", "spec", "message"),
+    [
+        (6, "auto", "only 5 parts"),  # more stages than blocks
+        (2, "tok_emb,pos_emb,blocks.0|blocks.9,ln_f,head", "unknown module 'blocks.9'"),
+        (2, "tok_emb,pos_emb,blocks.0|blocks.1,head", "'ln_f' is in no stage"),
+        (2, "blocks.1,ln_f,head|tok_emb,pos_emb,blocks.0", "forward order"),
+        (2, "tok_emb,blocks.0|pos_emb,blocks.1,ln_f,head", "put them in one stage"),
+        (3, "tok_emb,pos_emb,blocks.0|blocks.1,ln_f,head", "names 2 stages"),
+    ],
+)
 def test_bad_split_is_one_line_error(n_stages, spec, message):
     with pytest.raises(UserError, match=message) as e:
         plan_stages(tiny_gpt(2), n_stages, spec)
@@ -104,8 +107,16 @@ def test_stages_in_sequence_equal_the_whole_model(name):
 
 def test_bubble_fraction_and_picture(tmp_path):
     # 2 rows, GPipe with M=2 and unit-time ops: each row is busy 4 of 6 time units.
-    spans = [(0, 0, 0, "F", 0, 1), (0, 0, 1, "F", 1, 2), (1, 1, 0, "F", 1, 2), (1, 1, 1, "F", 2, 3),
-             (1, 1, 0, "B", 3, 4), (1, 1, 1, "B", 4, 5), (0, 0, 0, "B", 4, 5), (0, 0, 1, "B", 5, 6)]
+    spans = [
+        (0, 0, 0, "F", 0, 1),
+        (0, 0, 1, "F", 1, 2),
+        (1, 1, 0, "F", 1, 2),
+        (1, 1, 1, "F", 2, 3),
+        (1, 1, 0, "B", 3, 4),
+        (1, 1, 1, "B", 4, 5),
+        (0, 0, 0, "B", 4, 5),
+        (0, 0, 1, "B", 5, 6),
+    ]
     assert bubble_fraction(spans, 2) == pytest.approx(1 - 8 / 12)
     assert ideal_bubble(2, 2) == pytest.approx(1 / 3) and ideal_bubble(2, 2, stages_per_row=2) == pytest.approx(1 / 5)
     draw(spans, ["stage 0", "stage 1"], tmp_path / "t.png", "test")
@@ -142,8 +153,14 @@ def reference(tmp_path_factory):
 def test_in_process_pipeline_matches_unsplit_model(reference):
     """Executor 1 with AdamW; its checkpoint (canonical names) then continues as a plain run."""
     env, ref, out = launch_env(reference), reference / "ref_adam", reference / "inproc"
-    result = check(run(train_cmd(*ADAM, "parallel.pipeline_stages=2", "parallel.stage_devices=[cpu,cpu]", "parallel.microbatches=2",
-                                 f"output_dir={out}"), env=env))
+    result = check(
+        run(
+            train_cmd(
+                *ADAM, "parallel.pipeline_stages=2", "parallel.stage_devices=[cpu,cpu]", "parallel.microbatches=2", f"output_dir={out}"
+            ),
+            env=env,
+        )
+    )
     assert "engine: pipeline in one process (executor 1)" in result.output
     assert_same_training(out, ref, atol=1e-4)
     s = summary(out)
@@ -160,8 +177,19 @@ def test_data_parallel_x_in_process_pipeline(reference):
     """2 DDP processes, each a 2-stage pipeline on its own devices; batch 4 each, no accumulation = the same 8 samples."""
     out = reference / "dp_pp"
     overrides = [o for o in SGD if not o.startswith("train.gradient_accumulation_steps")]
-    result = check(run(torchrun_cmd(2, *overrides, "parallel.pipeline_stages=2", "parallel.stage_devices=[cpu,cpu]",
-                                    "parallel.microbatches=2", f"output_dir={out}"), env=launch_env(reference)))
+    result = check(
+        run(
+            torchrun_cmd(
+                2,
+                *overrides,
+                "parallel.pipeline_stages=2",
+                "parallel.stage_devices=[cpu,cpu]",
+                "parallel.microbatches=2",
+                f"output_dir={out}",
+            ),
+            env=launch_env(reference),
+        )
+    )
     assert "x 2 DDP replicas" in result.output
     assert_same_training(out, reference / "ref_sgd")
 
@@ -173,10 +201,19 @@ def test_multi_process_pipeline_matches_unsplit_model(reference, schedule):
     plain reference's checkpoint and writes the same optimizer state; interleaved puts 4 stages on 2 ranks."""
     env, out = launch_env(reference), reference / f"mp_{schedule}"
     ref = reference / ("ref_adam" if schedule == "gpipe" else "ref_sgd")
-    extra = {"1f1b": SGD, "gpipe": (*ADAM, f"resume={ref / 'checkpoints' / 'step_0000003'}"),
-             "interleaved1f1b": (*SGD, "parallel.stages_per_rank=2")}[schedule]
-    result = check(run(torchrun_cmd(2, *extra, "parallel.pipeline_stages=2", "parallel.microbatches=2",
-                                    f"parallel.schedule={schedule}", f"output_dir={out}"), env=env))
+    extra = {
+        "1f1b": SGD,
+        "gpipe": (*ADAM, f"resume={ref / 'checkpoints' / 'step_0000003'}"),
+        "interleaved1f1b": (*SGD, "parallel.stages_per_rank=2"),
+    }[schedule]
+    result = check(
+        run(
+            torchrun_cmd(
+                2, *extra, "parallel.pipeline_stages=2", "parallel.microbatches=2", f"parallel.schedule={schedule}", f"output_dir={out}"
+            ),
+            env=env,
+        )
+    )
     assert "executor 2, torch.distributed.pipelining): 2 stage ranks" in result.output
     if schedule == "gpipe":
         assert_same_training(out, ref, steps=range(4, 7), atol=1e-4)
@@ -190,11 +227,21 @@ def test_multi_process_pipeline_matches_unsplit_model(reference, schedule):
         plain = reference / "plain_from_pipeline"
         check(run(train_cmd(*SGD, f"resume={out / 'checkpoints' / 'step_0000003'}", f"output_dir={plain}"), env=env))
         assert_same_training(plain, ref, steps=range(4, 7))
+
+
 def test_bad_pipeline_launch_is_one_line_exit_2(tmp_path):
     """Through train.py: exit 2, one line, nothing written to output_dir."""
     out = tmp_path / "bad"
-    result = run(train_cmd(*TINY, "parallel.pipeline_stages=2", "parallel.stage_devices=[cpu,cpu]",
-                           "parallel.split=tok_emb,pos_emb,blocks.0|blocks.7,ln_f,head", f"output_dir={out}"), env=launch_env(tmp_path))
+    result = run(
+        train_cmd(
+            *TINY,
+            "parallel.pipeline_stages=2",
+            "parallel.stage_devices=[cpu,cpu]",
+            "parallel.split=tok_emb,pos_emb,blocks.0|blocks.7,ln_f,head",
+            f"output_dir={out}",
+        ),
+        env=launch_env(tmp_path),
+    )
     assert result.returncode == 2, result.output
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "unknown module 'blocks.7'" in errors[0] and "Traceback" not in result.output
@@ -215,8 +262,15 @@ def test_data_parallel_x_multi_process_pipeline(reference):
     """4 processes = 2 stages x 2 data-parallel replicas (mesh dp x pp), batch 4 each: the reference's 8 samples."""
     out = reference / "mp_dp"
     overrides = [o for o in SGD if not o.startswith("train.gradient_accumulation_steps")]
-    result = check(run(torchrun_cmd(4, *overrides, "parallel.pipeline_stages=2", "parallel.microbatches=2", "parallel.schedule=1f1b",
-                                    f"output_dir={out}"), env=launch_env(reference), timeout=600))
+    result = check(
+        run(
+            torchrun_cmd(
+                4, *overrides, "parallel.pipeline_stages=2", "parallel.microbatches=2", "parallel.schedule=1f1b", f"output_dir={out}"
+            ),
+            env=launch_env(reference),
+            timeout=600,
+        )
+    )
     assert "2 data-parallel replicas" in result.output
     assert_same_training(out, reference / "ref_sgd")
 
@@ -226,10 +280,24 @@ def test_data_parallel_x_multi_process_pipeline(reference):
 def test_pipelines_train_in_bf16(reference):
     """bf16 autocast in both executors: close to the fp32 run (not equal: bf16 rounds)."""
     env, ref = launch_env(reference), train_losses(reference / "ref_adam")
-    runs = {"bf16_inproc": train_cmd(*ADAM, "train.mixed_precision=bf16", "parallel.pipeline_stages=2", "parallel.stage_devices=[cpu,cpu]",
-                                     "parallel.microbatches=2", f"output_dir={reference / 'bf16_inproc'}"),
-            "bf16_mp": torchrun_cmd(2, *ADAM, "train.mixed_precision=bf16", "parallel.pipeline_stages=2", "parallel.microbatches=2",
-                                    f"output_dir={reference / 'bf16_mp'}")}
+    runs = {
+        "bf16_inproc": train_cmd(
+            *ADAM,
+            "train.mixed_precision=bf16",
+            "parallel.pipeline_stages=2",
+            "parallel.stage_devices=[cpu,cpu]",
+            "parallel.microbatches=2",
+            f"output_dir={reference / 'bf16_inproc'}",
+        ),
+        "bf16_mp": torchrun_cmd(
+            2,
+            *ADAM,
+            "train.mixed_precision=bf16",
+            "parallel.pipeline_stages=2",
+            "parallel.microbatches=2",
+            f"output_dir={reference / 'bf16_mp'}",
+        ),
+    }
     for name, cmd in runs.items():
         result = check(run(cmd, env=env))
         assert "precision bf16" in result.output

@@ -112,8 +112,12 @@ def test_two_processes_sigkill_resume_and_resume_on_one_process(ref2, tmp_path):
 
 def test_elastic_torchrun_restarts_and_matches_uninterrupted(ref2, tmp_path):
     marker = tmp_path / "fired"
-    result = check(run(torchrun_cmd(2, *BASE, f"output_dir={tmp_path / 'run'}", launch_args=("--max-restarts", "1")),
-                       env=fault_env(tmp_path, f"kill@4:rank=1:once={marker}")))
+    result = check(
+        run(
+            torchrun_cmd(2, *BASE, f"output_dir={tmp_path / 'run'}", launch_args=("--max-restarts", "1")),
+            env=fault_env(tmp_path, f"kill@4:rank=1:once={marker}"),
+        )
+    )
     assert marker.exists(), "the fault never fired"
     assert "SIGKILL rank 1 after step 4" in result.output and "resumed from" in result.output
     assert same_bytes(tmp_path / "run", ref2)
@@ -122,16 +126,28 @@ def test_elastic_torchrun_restarts_and_matches_uninterrupted(ref2, tmp_path):
 @pytest.mark.slow
 def test_elastic_accelerate_max_restarts(ref2, tmp_path):
     marker = tmp_path / "fired"
-    cmd = [str(Path(torchrun_cmd(1)[0]).parent / "accelerate"), "launch", "--config_file", "accelerate_configs/multi_cpu.yaml",
-           "--max_restarts", "1", "train.py", *BASE, f"output_dir={tmp_path / 'run'}"]
+    cmd = [
+        str(Path(torchrun_cmd(1)[0]).parent / "accelerate"),
+        "launch",
+        "--config_file",
+        "accelerate_configs/multi_cpu.yaml",
+        "--max_restarts",
+        "1",
+        "train.py",
+        *BASE,
+        f"output_dir={tmp_path / 'run'}",
+    ]
     result = check(run(cmd, env=fault_env(tmp_path, f"kill@4:rank=1:once={marker}")))
     assert marker.exists() and "resumed from" in result.output
     assert same_bytes(tmp_path / "run", ref2)
 
 
 def test_hung_rank_makes_the_others_fail_within_the_timeout(tmp_path):
-    result = run(torchrun_cmd(2, *BASE, "parallel.timeout_s=15", f"output_dir={tmp_path / 'run'}"),
-                 env=fault_env(tmp_path, "hang@2:rank=1"), timeout=240)
+    result = run(
+        torchrun_cmd(2, *BASE, "parallel.timeout_s=15", f"output_dir={tmp_path / 'run'}"),
+        env=fault_env(tmp_path, "hang@2:rank=1"),
+        timeout=240,
+    )
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: rank 0: a collective failed at step 2")]
     assert len(errors) == 1 and "parallel.timeout_s (15 s)" in errors[0], result.output[-3000:]
@@ -174,8 +190,9 @@ def test_sigterm_to_torchrun_checkpoints_on_all_ranks(tmp_path):
     the workers, which may be at different steps: they agree on one, save there and exit."""
     out = tmp_path / "run"
     cmd = torchrun_cmd(2, *BASE, "train.max_steps=5000", "eval.interval=0", "checkpoint.interval=0", f"output_dir={out}")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=fault_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=fault_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     lines: list[str] = []
     deadline = time.monotonic() + 240
     try:
@@ -256,8 +273,7 @@ def test_non_finite_loss_stops_naming_the_step_and_writes_no_checkpoint(tmp_path
 
 def test_non_finite_steps_are_skipped_up_to_the_limit_on_all_ranks(tmp_path):
     out = tmp_path / "run"
-    result = check(run(torchrun_cmd(2, *BASE, "train.max_skipped_steps=1", f"output_dir={out}"),
-                       env=fault_env(tmp_path, "nan@2:rank=1")))
+    result = check(run(torchrun_cmd(2, *BASE, "train.max_skipped_steps=1", f"output_dir={out}"), env=fault_env(tmp_path, "nan@2:rank=1")))
     assert "non-finite loss or gradients at step 2: update skipped (1 of at most 1)" in result.output
     for folder in checkpoint.list_checkpoints(out / "checkpoints"):
         weights = load_file(str(folder / "model.safetensors"))

@@ -105,8 +105,12 @@ def test_resume_continues_the_step_count_exactly(runs):
 
 
 def test_seed_mlp_example_on_two_processes(tmp_path):
-    r = check(run(torchrun_cmd(2, "--config", "configs/seed_mlp.yaml", "train.batch_size=32", "train.max_steps=20",
-                               f"output_dir={tmp_path}"), env=launch_env(tmp_path)))
+    r = check(
+        run(
+            torchrun_cmd(2, "--config", "configs/seed_mlp.yaml", "train.batch_size=32", "train.max_steps=20", f"output_dir={tmp_path}"),
+            env=launch_env(tmp_path),
+        )
+    )
     s = summary(tmp_path)
     assert s["world_size"] == 2 and s["steps"] == 20
     losses = train_losses(tmp_path)
@@ -125,7 +129,6 @@ def test_bf16_on_cpu_works_and_fp16_on_cpu_is_refused(tmp_path):
 def test_cpu_flag_that_starts_one_process_is_refused(tmp_path):
     from helpers import ACCELERATE
 
-    r = run([ACCELERATE, "launch", "--cpu", "--num_processes", "2", "train.py", *TINY, f"output_dir={tmp_path}"],
-            env=launch_env(tmp_path))
+    r = run([ACCELERATE, "launch", "--cpu", "--num_processes", "2", "train.py", *TINY, f"output_dir={tmp_path}"], env=launch_env(tmp_path))
     assert r.returncode != 0, r.output
     assert "error: the launcher was asked for 2 processes but 1 formed the process group" in r.output, r.output[-3000:]

@@ -130,8 +130,10 @@ def refuse_code(folder: Path) -> None:
     for path in sorted(folder.iterdir()):
         why = _code_carrier(path) if path.is_file() else None
         if why:
-            raise UserError(f"checkpoint {folder}: {why}; refusing to load it (this template writes only safetensors, "
-                            "JSON and YAML and never unpickles). Remove the file or resume from a checkpoint you trust")
+            raise UserError(
+                f"checkpoint {folder}: {why}; refusing to load it (this template writes only safetensors, "
+                "JSON and YAML and never unpickles). Remove the file or resume from a checkpoint you trust"
+            )
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -199,8 +201,9 @@ def optimizer_state_by_name(model, optimizer) -> tuple[dict[str, torch.Tensor], 
                 tensors[f"{name}/{key}"] = value.detach().contiguous().cpu()
             else:
                 scalars[f"{name}/{key}"] = value
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(params[i])] for i in g["params"]]}
-              for g in sd["param_groups"]]
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(params[i])] for i in g["params"]]} for g in sd["param_groups"]
+    ]
     return tensors, {"param_groups": groups, "scalars": scalars}
 
 
@@ -214,14 +217,16 @@ def load_optimizer_by_name(model, optimizer, tensors: dict[str, torch.Tensor], m
     state: dict[int, dict[str, Any]] = {}
     for idx, p in enumerate(params):
         prefix = names[id(p)] + "/"
-        entry = {k[len(prefix):]: shard_like(v, p) for k, v in tensors.items() if k.startswith(prefix)}
-        entry.update({k[len(prefix):]: v for k, v in meta["scalars"].items() if k.startswith(prefix)})
+        entry = {k[len(prefix) :]: shard_like(v, p) for k, v in tensors.items() if k.startswith(prefix)}
+        entry.update({k[len(prefix) :]: v for k, v in meta["scalars"].items() if k.startswith(prefix)})
         if entry:
             state[idx] = entry
     saved_groups = meta["param_groups"]
     if len(saved_groups) != len(sd["param_groups"]):
-        raise UserError(f"resume: the checkpoint's optimizer has {len(saved_groups)} param groups, this one {len(sd['param_groups'])}; "
-                        "was it written with another train.optimizer?")
+        raise UserError(
+            f"resume: the checkpoint's optimizer has {len(saved_groups)} param groups, this one {len(sd['param_groups'])}; "
+            "was it written with another train.optimizer?"
+        )
     groups = []
     for saved, current in zip(saved_groups, sd["param_groups"], strict=True):
         hyper = {k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k != "params"}
@@ -232,8 +237,18 @@ def load_optimizer_by_name(model, optimizer, tensors: dict[str, torch.Tensor], m
 # ---------------------------------------------------------------- save
 
 
-def save(engine, root: Path, step: int, scheduler, state: dict[str, Any], config_yaml: str, vocab_json: str | None,
-         keep: int, protect: Path | None = None, keep_best: bool = False) -> Path:
+def save(
+    engine,
+    root: Path,
+    step: int,
+    scheduler,
+    state: dict[str, Any],
+    config_yaml: str,
+    vocab_json: str | None,
+    keep: int,
+    protect: Path | None = None,
+    keep_best: bool = False,
+) -> Path:
     """Write checkpoint `step` atomically. A collective: every rank must call it."""
     from parallel_train import faults
     from parallel_train.guards import check_finite_weights
@@ -323,12 +338,17 @@ def topology_notice(saved: dict[str, Any], world: int, global_batch: int) -> str
     old_world, old_batch = saved.get("world_size"), saved.get("global_batch")
     if old_world == world and old_batch in (None, global_batch):
         return None
-    line = (f"notice: the checkpoint was written by {old_world} processes, this run has {world}: model and optimizer "
-            "state carry over; per-rank dropout RNG restarts from the seed" if old_world != world else
-            "notice: the global batch changed since the checkpoint")
+    line = (
+        f"notice: the checkpoint was written by {old_world} processes, this run has {world}: model and optimizer "
+        "state carry over; per-rank dropout RNG restarts from the seed"
+        if old_world != world
+        else "notice: the global batch changed since the checkpoint"
+    )
     if old_batch is not None and old_batch != global_batch:
-        return line + (f"; the global batch was {old_batch} samples and is now {global_batch}, so the data order "
-                       "does not continue exactly (keep batch_size x processes x accumulation the same for that)")
+        return line + (
+            f"; the global batch was {old_batch} samples and is now {global_batch}, so the data order "
+            "does not continue exactly (keep batch_size x processes x accumulation the same for that)"
+        )
     return line + "; the global batch is unchanged, so the data order continues exactly"
 
 
@@ -337,8 +357,9 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path))
     except Exception as e:  # safetensors raises its own SafetensorError for anything malformed
-        raise UserError(f"resume: {path} is not a readable safetensors file ({str(e).splitlines()[0][:120]}); "
-                        "resume from another checkpoint") from None
+        raise UserError(
+            f"resume: {path} is not a readable safetensors file ({str(e).splitlines()[0][:120]}); resume from another checkpoint"
+        ) from None
 
 
 def load(folder: Path, engine, scheduler) -> dict[str, Any]:
@@ -346,13 +367,18 @@ def load(folder: Path, engine, scheduler) -> dict[str, Any]:
     accelerator = engine.accelerator
     state = json.loads((folder / "trainer_state.json").read_text())
     try:
-        engine.load(load_tensors(folder / "model.safetensors"), load_tensors(folder / "optimizer.safetensors"),
-                    json.loads((folder / "optimizer.json").read_text()))
+        engine.load(
+            load_tensors(folder / "model.safetensors"),
+            load_tensors(folder / "optimizer.safetensors"),
+            json.loads((folder / "optimizer.json").read_text()),
+        )
     except (RuntimeError, KeyError, ValueError) as e:  # load_state_dict: missing keys, shape mismatches
         details = [line.strip() for line in str(e).splitlines() if line.strip()]
         detail = (details[1] if len(details) > 1 and details[0].startswith("Error(s) in loading") else (details or [repr(e)])[0])[:200]
-        raise UserError(f"resume: {folder} does not fit this model/optimizer ({detail}); resume with the config it was "
-                        f"written with ({folder / 'config.yaml'}) or choose a new output_dir") from None
+        raise UserError(
+            f"resume: {folder} does not fit this model/optimizer ({detail}); resume with the config it was "
+            f"written with ({folder / 'config.yaml'}) or choose a new output_dir"
+        ) from None
     scheduler.load_state_dict(state["scheduler"])
     if state.get("grad_scaler") and getattr(accelerator, "scaler", None) is not None:
         accelerator.scaler.load_state_dict(state["grad_scaler"])

@@ -49,8 +49,13 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    path: str = opt(str(DEFAULT_CORPUS), "corpus: a local .txt/.json/.jsonl/.csv/.parquet file, a Hub dataset name, 'random' or 'synthetic' (random tokens, no download)")
-    tokenizer: str = opt("char", "char: one id per character of the corpus; byte: one id per UTF-8 byte (256 ids)", choices=("char", "byte"))
+    path: str = opt(
+        str(DEFAULT_CORPUS),
+        "corpus: a local .txt/.json/.jsonl/.csv/.parquet file, a Hub dataset name, 'random' or 'synthetic' (random tokens, no download)",
+    )
+    tokenizer: str = opt(
+        "char", "char: one id per character of the corpus; byte: one id per UTF-8 byte (256 ids)", choices=("char", "byte")
+    )
     source: str = opt("text", "data loader (see parallel_train/data_sources.py): text reads data.path; add your own there")
     text_column: str = opt("text", "column holding the text in json/csv/parquet/Hub datasets")
     val_fraction: float = opt(0.1, "share of the corpus held out for validation (the last part)")
@@ -102,7 +107,10 @@ class ParallelConfig:
     microbatches: int = opt(1, "micro-batches per batch in the pipeline")
     schedule: str = opt("gpipe", "pipeline schedule", choices=("gpipe", "1f1b", "interleaved1f1b"))
     stage_devices: list[str] = opt([], "devices of the stages in one process, e.g. [cuda:0,cuda:1]")
-    split: str = opt("auto", "auto (balance parameter count) or module names per stage, stages split by |: 'tok_emb,pos_emb,blocks.0..1|blocks.2..3,ln_f,head'")
+    split: str = opt(
+        "auto",
+        "auto (balance parameter count) or module names per stage, stages split by |: 'tok_emb,pos_emb,blocks.0..1|blocks.2..3,ln_f,head'",
+    )
     stages_per_rank: int = opt(2, "interleaved1f1b only: model stages each pipeline rank holds")
     timeout_s: int = opt(1800, "seconds a collective may wait before the run fails")
 
@@ -187,7 +195,9 @@ def _set(cfg: Config, key: str, value: Any) -> None:
             raise UserError(f"unknown config key '{key}': {where} has {', '.join(sorted(fields))}")
         if i == len(parts) - 1:
             if dataclasses.is_dataclass(getattr(node, part)):
-                raise UserError(f"config key '{key}' is a section; set one of its keys, e.g. {key}.{next(iter(_fields(getattr(node, part))))}=...")
+                raise UserError(
+                    f"config key '{key}' is a section; set one of its keys, e.g. {key}.{next(iter(_fields(getattr(node, part))))}=..."
+                )
             setattr(node, part, _coerce(key, value, _hints(type(node))[part]))
         else:
             node = getattr(node, part)
@@ -277,7 +287,9 @@ def _check(ok: bool, message: str) -> None:
 
 def validate(cfg: Config) -> None:
     """Closed choices, ranges and cross-key rules. Each failure is one line naming the key."""
-    for section_name, section in [("", cfg)] + [(f.name + ".", getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if dataclasses.is_dataclass(getattr(cfg, f.name))]:
+    for section_name, section in [("", cfg)] + [
+        (f.name + ".", getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if dataclasses.is_dataclass(getattr(cfg, f.name))
+    ]:
         for f in dataclasses.fields(section):
             choices = f.metadata.get("choices")
             if choices and getattr(section, f.name) not in choices:
@@ -325,8 +337,10 @@ def validate(cfg: Config) -> None:
     _check(p.microbatches >= 1, f"parallel.microbatches: must be >= 1, got {p.microbatches}")
     _check(p.stages_per_rank >= 1, f"parallel.stages_per_rank: must be >= 1, got {p.stages_per_rank}")
     _check(p.timeout_s >= 1, f"parallel.timeout_s: must be >= 1, got {p.timeout_s}")
-    _check(not p.stage_devices or len(p.stage_devices) == p.pipeline_stages,
-           f"parallel.stage_devices: {len(p.stage_devices)} devices given for {p.pipeline_stages} pipeline stages; give one per stage")
+    _check(
+        not p.stage_devices or len(p.stage_devices) == p.pipeline_stages,
+        f"parallel.stage_devices: {len(p.stage_devices)} devices given for {p.pipeline_stages} pipeline stages; give one per stage",
+    )
     _check(bool(cfg.output_dir), "output_dir: must not be empty")
 
 

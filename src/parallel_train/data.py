@@ -253,13 +253,17 @@ def build_datasets(cfg: Config, vocab: CharVocab | ByteVocab | None = None) -> D
     try:
         ids = torch.from_numpy(vocab.encode(text))
     except ValueError:
-        raise UserError(f"data.path: {d.path!r} has characters missing from the resumed run's vocab.json; resume with the corpus it was trained on") from None
+        raise UserError(
+            f"data.path: {d.path!r} has characters missing from the resumed run's vocab.json; resume with the corpus it was trained on"
+        ) from None
     n_val = int(len(ids) * d.val_fraction)
     train_ids, val_ids = ids[: len(ids) - n_val], ids[len(ids) - n_val :]
     need = m.block_size + 2
     if len(val_ids) < need or len(train_ids) < need:
-        raise UserError(f"data.path: {d.path!r} is too short: {len(ids)} tokens give {len(val_ids)} validation tokens, "
-                        f"need at least {need} for model.block_size={m.block_size}; use a longer corpus or a smaller block_size")
+        raise UserError(
+            f"data.path: {d.path!r} is too short: {len(ids)} tokens give {len(val_ids)} validation tokens, "
+            f"need at least {need} for model.block_size={m.block_size}; use a longer corpus or a smaller block_size"
+        )
     vocab_size = max(vocab.size, m.vocab_size)
     return Data(TokenWindows(train_ids, m.block_size), TokenWindows(val_ids, m.block_size), vocab, vocab_size)
 
@@ -281,13 +285,25 @@ def synthetic_data(cfg: Config) -> Data:
 
 def train_loader(data: Data, cfg: Config, world_size: int, rank: int, start_step: int, pin_memory: bool) -> DataLoader:
     """This rank's batches from optimizer step `start_step` on (never ends; the loop counts steps)."""
-    sampler = GlobalBatchSampler(len(data.train_set), cfg.train.batch_size, world_size, rank, cfg.train.seed,
-                                 start_micro_step=start_step * cfg.train.gradient_accumulation_steps)
+    sampler = GlobalBatchSampler(
+        len(data.train_set),
+        cfg.train.batch_size,
+        world_size,
+        rank,
+        cfg.train.seed,
+        start_micro_step=start_step * cfg.train.gradient_accumulation_steps,
+    )
     # Its own generator: creating the iterator must not draw from the global RNG (dropout's), or a
     # resumed run would drift from an uninterrupted one.
-    return DataLoader(data.train_set, batch_sampler=sampler, collate_fn=collate_fn(data, data.train_set), num_workers=cfg.data.num_workers,
-                      pin_memory=pin_memory, persistent_workers=cfg.data.num_workers > 0,
-                      generator=torch.Generator().manual_seed(cfg.train.seed))
+    return DataLoader(
+        data.train_set,
+        batch_sampler=sampler,
+        collate_fn=collate_fn(data, data.train_set),
+        num_workers=cfg.data.num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=cfg.data.num_workers > 0,
+        generator=torch.Generator().manual_seed(cfg.train.seed),
+    )
 
 
 def val_loader(data: Data, cfg: Config) -> DataLoader:
@@ -302,5 +318,10 @@ def val_loader(data: Data, cfg: Config) -> DataLoader:
     n = len(data.val_set)
     indices = torch.randperm(n, generator=g)[:n_eval] if n >= n_eval else torch.randint(0, n, (n_eval,), generator=g)
     subset = torch.utils.data.Subset(data.val_set, indices.tolist())
-    return DataLoader(subset, batch_size=batch_size, shuffle=False, collate_fn=collate_fn(data, data.val_set),
-                      generator=torch.Generator().manual_seed(cfg.train.seed))
+    return DataLoader(
+        subset,
+        batch_size=batch_size,
+        shuffle=False,
+        collate_fn=collate_fn(data, data.val_set),
+        generator=torch.Generator().manual_seed(cfg.train.seed),
+    )

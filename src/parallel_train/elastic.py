@@ -22,9 +22,11 @@ import torch
 
 
 def restarts_enabled() -> bool:
-    return (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-            and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0
-            and int(os.environ.get("WORLD_SIZE", "1")) > 1)
+    return (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0
+        and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    )
 
 
 def init_process_group_for_restarts(timeout_s: int) -> None:
@@ -41,5 +43,10 @@ def init_process_group_for_restarts(timeout_s: int) -> None:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", store=dist.PrefixStore(f"parallel_train/attempt{attempt}", store),
-                            rank=rank, world_size=world, timeout=timeout)
+    dist.init_process_group(
+        "cpu:gloo,cuda:nccl" if cuda else "gloo",
+        store=dist.PrefixStore(f"parallel_train/attempt{attempt}", store),
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+    )

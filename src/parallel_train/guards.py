@@ -116,11 +116,15 @@ class RunGuard:
             return True
         self.skipped += 1
         if self.skipped > self.max_skipped:
-            raise UserError(f"non-finite loss or gradients at step {self.step}: {self.skipped} steps skipped, more than "
-                            f"train.max_skipped_steps={self.max_skipped}; lower train.learning_rate or check the data")
+            raise UserError(
+                f"non-finite loss or gradients at step {self.step}: {self.skipped} steps skipped, more than "
+                f"train.max_skipped_steps={self.max_skipped}; lower train.learning_rate or check the data"
+            )
         if self.accelerator.is_main_process:
-            print(f"warning: non-finite loss or gradients at step {self.step}: update skipped "
-                  f"({self.skipped} of at most {self.max_skipped})", flush=True)
+            print(
+                f"warning: non-finite loss or gradients at step {self.step}: update skipped ({self.skipped} of at most {self.max_skipped})",
+                flush=True,
+            )
         return False
 
     def end_step(self, step: int, loss: torch.Tensor, force: bool = False) -> str | None:
@@ -140,12 +144,15 @@ class RunGuard:
         # One all-reduce: MAX of (signal, -first_bad) = (any rank signalled, -(earliest bad step on any rank)).
         # A CPU tensor under gloo; the device under NCCL (which cannot reduce CPU tensors).
         device = self.device if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl" else "cpu"
-        agreed = _all_reduce(torch.tensor([got_signal, -first_bad], dtype=torch.int64, device=device),
-                             torch.distributed.ReduceOp.MAX).tolist()
+        agreed = _all_reduce(
+            torch.tensor([got_signal, -first_bad], dtype=torch.int64, device=device), torch.distributed.ReduceOp.MAX
+        ).tolist()
         if -agreed[1] != NO_BAD_STEP:
-            raise UserError(f"non-finite loss or gradients at step {-agreed[1]} (all ranks stopped at step {step}; no checkpoint "
-                            "was written after it); lower train.learning_rate, check the data, or set train.max_skipped_steps=N "
-                            "to skip such steps")
+            raise UserError(
+                f"non-finite loss or gradients at step {-agreed[1]} (all ranks stopped at step {step}; no checkpoint "
+                "was written after it); lower train.learning_rate, check the data, or set train.max_skipped_steps=N "
+                "to skip such steps"
+            )
         if agreed[0]:
             return self.signals.name or "a stop signal (on another rank)"
         return None
@@ -162,14 +169,25 @@ def check_finite_weights(engine, step: int) -> None:
             break
     device = engine.accelerator.device if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl" else "cpu"
     if _all_reduce(bad.to(device), torch.distributed.ReduceOp.MAX).item():
-        raise UserError(f"the model weights are non-finite (NaN or inf) at step {step}: not writing them; "
-                        "lower train.learning_rate or check the data, then resume=auto from the last checkpoint")
+        raise UserError(
+            f"the model weights are non-finite (NaN or inf) at step {step}: not writing them; "
+            "lower train.learning_rate or check the data, then resume=auto from the last checkpoint"
+        )
 
 
 # ---------------------------------------------------------------- failed collectives
 
-COLLECTIVE_MARKERS = ("gloo", "nccl", "connection reset by peer", "connection closed by peer", "broken pipe",
-                      "timed out waiting", "watchdog", "processgroup", "collective operation timeout")
+COLLECTIVE_MARKERS = (
+    "gloo",
+    "nccl",
+    "connection reset by peer",
+    "connection closed by peer",
+    "broken pipe",
+    "timed out waiting",
+    "watchdog",
+    "processgroup",
+    "collective operation timeout",
+)
 
 
 def collective_failure_message(error: BaseException) -> str | None:
@@ -183,13 +201,17 @@ def collective_failure_message(error: BaseException) -> str | None:
         first = first.split("] ", 1)[1]
     first = first.split(". This is typically")[0][:200]
     timeout = f"{PROGRESS.timeout_s} s" if PROGRESS.timeout_s else "the timeout"
-    return (f"rank {PROGRESS.rank}: a collective failed at step {PROGRESS.step} ({first}): another process died or did not "
-            f"answer within parallel.timeout_s ({timeout}); see that process's output, then relaunch with resume=auto")
+    return (
+        f"rank {PROGRESS.rank}: a collective failed at step {PROGRESS.step} ({first}): another process died or did not "
+        f"answer within parallel.timeout_s ({timeout}); see that process's output, then relaunch with resume=auto"
+    )
 
 
 def stop_message(signal_name: str, step: int, max_steps: int, saved: Path) -> str:
     """What a preempted run prints last: where its work is and the command that continues it."""
     args = [a for a in sys.argv[1:] if not a.startswith("resume=")]
     command = " ".join(shlex.quote(a) for a in ["train.py", *args, "resume=auto"])
-    return (f"[parallel_train] {signal_name}: stopped at step {step} of {max_steps} and saved {saved}. "
-            f"To continue, relaunch the same way (python / accelerate launch / torchrun) with: {command}")
+    return (
+        f"[parallel_train] {signal_name}: stopped at step {step} of {max_steps} and saved {saved}. "
+        f"To continue, relaunch the same way (python / accelerate launch / torchrun) with: {command}"
+    )

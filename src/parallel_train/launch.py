@@ -78,14 +78,20 @@ def make_accelerator(cfg: Config, notice) -> Accelerator:  # noqa: F821 (lazy im
         raise UserError("mixed precision fp16 needs a GPU (on CPU accelerate would silently train in fp32); use bf16 or no")
     if cuda:
         check_gpus_per_node(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count())
-    if not cuda and not _env_true("ACCELERATE_USE_CPU") and (int(os.environ.get("WORLD_SIZE", "1")) > 1 or "ACCELERATE_DYNAMO_BACKEND" in os.environ):
+    if (
+        not cuda
+        and not _env_true("ACCELERATE_USE_CPU")
+        and (int(os.environ.get("WORLD_SIZE", "1")) > 1 or "ACCELERATE_DYNAMO_BACKEND" in os.environ)
+    ):
         notice("no CUDA GPU found: running these processes on CPU (gloo backend) instead")
     for flag, what in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")):
         if _env_true(flag) and not cuda:
             notice(f"{what} needs GPUs; on CPU accelerate falls back to plain DDP, so this run is DDP, not {what}")
     if _env_true("ACCELERATE_USE_DEEPSPEED") and cuda:
-        notice("DeepSpeed ZeRO: checkpoints hold the whole model but not the optimizer state (ZeRO partitions it); "
-               "a resumed run restarts the optimizer's moments. accelerate_configs/fsdp.yaml keeps them")
+        notice(
+            "DeepSpeed ZeRO: checkpoints hold the whole model but not the optimizer state (ZeRO partitions it); "
+            "a resumed run restarts the optimizer's moments. accelerate_configs/fsdp.yaml keeps them"
+        )
 
     log_with = None if cfg.tracker == "none" else cfg.tracker
     from parallel_train.elastic import init_process_group_for_restarts
@@ -106,9 +112,11 @@ def make_accelerator(cfg: Config, notice) -> Accelerator:  # noqa: F821 (lazy im
 def check_gpus_per_node(processes: int, gpus: int) -> None:
     """One process per GPU: more processes than GPUs on a node would fail deep inside CUDA (invalid device ordinal)."""
     if processes > gpus:
-        raise UserError(f"{processes} processes were started on this node but it has {gpus} GPU(s): start one process per GPU, "
-                        f"e.g. `accelerate launch --config_file accelerate_configs/multi_gpu.yaml --num_processes {gpus} train.py` "
-                        f"(on N nodes: --num_processes {gpus}xN)")
+        raise UserError(
+            f"{processes} processes were started on this node but it has {gpus} GPU(s): start one process per GPU, "
+            f"e.g. `accelerate launch --config_file accelerate_configs/multi_gpu.yaml --num_processes {gpus} train.py` "
+            f"(on N nodes: --num_processes {gpus}xN)"
+        )
 
 
 def check_world_size(accelerator) -> None:
@@ -128,6 +136,7 @@ def topology(accelerator) -> str:
     nodes = int(os.environ.get("GROUP_WORLD_SIZE", os.environ.get("NUM_MACHINES", "0")) or 0)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
     nodes = nodes or max(1, accelerator.num_processes // max(1, local))
-    kind = "1 process" if accelerator.num_processes == 1 else f"{accelerator.num_processes} processes"  # the engine line says how they split the work
+    kind = (
+        "1 process" if accelerator.num_processes == 1 else f"{accelerator.num_processes} processes"
+    )  # the engine line says how they split the work
     return f"{kind} ({dist}, backend {backend}, {nodes} node{'s' if nodes > 1 else ''}, host {socket.gethostname()})"
-

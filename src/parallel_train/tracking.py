@@ -89,12 +89,16 @@ def init_trackers(accelerator: Accelerator, tracker: str, config: dict[str, Any]
         # Same id + resume="allow": a resumed training run continues the same wandb run.
         init_kwargs = {"wandb": {"id": run_id, "resume": "allow", "name": output_dir.name, "dir": str(output_dir)}}
         try:
-            accelerator.init_trackers(project_name=os.environ.get("WANDB_PROJECT", "parallel-train"), config=config, init_kwargs=init_kwargs)
+            accelerator.init_trackers(
+                project_name=os.environ.get("WANDB_PROJECT", "parallel-train"), config=config, init_kwargs=init_kwargs
+            )
         except Exception as e:  # wandb's errors (bad key, server down mid-start) have no common base class
             if not type(e).__module__.startswith("wandb"):
                 raise
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UserError(f"wandb could not start a run ({first}); log locally with WANDB_MODE=offline, or use tracker=tensorboard or tracker=none") from None
+            raise UserError(
+                f"wandb could not start a run ({first}); log locally with WANDB_MODE=offline, or use tracker=tensorboard or tracker=none"
+            ) from None
     else:
         # Event files go to output_dir/tensorboard/, so `tensorboard --logdir runs` shows every run by name.
         accelerator.init_trackers(project_name="tensorboard", config=flat_config(config))

@@ -76,8 +76,10 @@ class TimedIterator:
 
 def peak_memory_mb(device: torch.device) -> dict[str, float]:
     if device.type == "cuda":
-        return {"peak_memory_mb": torch.cuda.max_memory_allocated(device) / 2**20,
-                "peak_memory_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20}
+        return {
+            "peak_memory_mb": torch.cuda.max_memory_allocated(device) / 2**20,
+            "peak_memory_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20,
+        }
     return {"peak_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # host RSS (KiB on Linux)
 
 
@@ -92,8 +94,10 @@ def run(cfg: Config, config_path: str | None) -> int:
     world, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
     configure_backends(cfg.train, device)
     A = cfg.train.gradient_accumulation_steps
-    say(f"[parallel_train] {topology(accelerator)} | world size {world} | device {device} | "
-        f"precision {accelerator.mixed_precision} | config {config_path or 'defaults'} | output_dir {out} | tracker {tracker_word}")
+    say(
+        f"[parallel_train] {topology(accelerator)} | world size {world} | device {device} | "
+        f"precision {accelerator.mixed_precision} | config {config_path or 'defaults'} | output_dir {out} | tracker {tracker_word}"
+    )
 
     # ---- data (the vocab of a resumed run is reused, so token ids cannot shift)
     vocab = load_vocab(resume_from / "vocab.json") if resume_from and (resume_from / "vocab.json").exists() else None
@@ -105,8 +109,10 @@ def run(cfg: Config, config_path: str | None) -> int:
     optimizer = build_optimizer(model, cfg.train, fused=device.type == "cuda")
     scheduler = build_scheduler(optimizer, cfg.train)
     engine = build_engine(cfg, accelerator, model, optimizer, val_loader(data, cfg))
-    say(f"[parallel_train] engine: {engine.name} | global batch {cfg.train.batch_size} x {engine.dp_size} data-parallel "
-        f"ranks x {A} accumulation = {cfg.train.batch_size * engine.dp_size * A} samples per optimizer step")
+    say(
+        f"[parallel_train] engine: {engine.name} | global batch {cfg.train.batch_size} x {engine.dp_size} data-parallel "
+        f"ranks x {A} accumulation = {cfg.train.batch_size * engine.dp_size * A} samples per optimizer step"
+    )
     torch.manual_seed(cfg.train.seed + 1 + rank)  # per-rank dropout masks
 
     state = {"best_val_loss": None, "final_val_loss": None, "final_train_loss": None, "run_id": new_run_id()}
@@ -139,15 +145,30 @@ def run(cfg: Config, config_path: str | None) -> int:
 
     def save_checkpoint(step: int) -> None:
         state["skipped_steps"] = guard.skipped
-        checkpoint.save(engine, ckpt_root, step, scheduler, state, config_yaml, vocab_json,
-                        keep=cfg.checkpoint.keep, protect=resume_from, keep_best=cfg.checkpoint.keep_best)
+        checkpoint.save(
+            engine,
+            ckpt_root,
+            step,
+            scheduler,
+            state,
+            config_yaml,
+            vocab_json,
+            keep=cfg.checkpoint.keep,
+            protect=resume_from,
+            keep_best=cfg.checkpoint.keep_best,
+        )
 
     def due(step: int, interval: int) -> bool:
         return step == cfg.train.max_steps or (interval > 0 and step % interval == 0)
 
     # ---- train
-    pbar = tqdm(total=cfg.train.max_steps, initial=start_step, disable=None if accelerator.is_main_process else True,
-                dynamic_ncols=True, desc="train")
+    pbar = tqdm(
+        total=cfg.train.max_steps,
+        initial=start_step,
+        disable=None if accelerator.is_main_process else True,
+        dynamic_ncols=True,
+        desc="train",
+    )
     first_step_s = None
     t_log, paused, steady_tokens, steady_time, tokens_since = time.perf_counter(), 0.0, 0, 0.0, 0
     guard.signals.install()  # from here on SIGTERM/SIGUSR1/SIGINT stop at an agreed step, with a checkpoint
@@ -175,9 +196,16 @@ def run(cfg: Config, config_path: str | None) -> int:
             if done > start_step + cfg.train.log_interval:  # the first interval holds warm-up; leave it out
                 steady_tokens, steady_time = steady_tokens + tokens_since, steady_time + elapsed
             steps_in_interval = min(cfg.train.log_interval, done - start_step) or 1
-            record = {"kind": "train", "step": done, "loss": train_loss, "lr": lr, "tokens_per_sec": tok_s,
-                      "step_time_s": elapsed / steps_in_interval, "data_time_frac": min(1.0, batches.seconds / elapsed),
-                      "mfu": mfu(flops_per_token, tok_s, peak, world)}
+            record = {
+                "kind": "train",
+                "step": done,
+                "loss": train_loss,
+                "lr": lr,
+                "tokens_per_sec": tok_s,
+                "step_time_s": elapsed / steps_in_interval,
+                "data_time_frac": min(1.0, batches.seconds / elapsed),
+                "mfu": mfu(flops_per_token, tok_s, peak, world),
+            }
             metrics.log(record)
             pbar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{tok_s:,.0f}")
             say(train_line(record, cfg.train.max_steps))  # plain lines: the bar is off when stderr is not a terminal
@@ -231,8 +259,10 @@ def run(cfg: Config, config_path: str | None) -> int:
         }
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         say(f"[parallel_train] loss curves: {plot_runs([out], out / PICTURE)}")
-        say(f"[parallel_train] done: {cfg.train.max_steps} steps, val loss {state['final_val_loss']}, "
-            f"{summary['wall_time_s']:.1f} s; outputs in {out}")
+        say(
+            f"[parallel_train] done: {cfg.train.max_steps} steps, val loss {state['final_val_loss']}, "
+            f"{summary['wall_time_s']:.1f} s; outputs in {out}"
+        )
     accelerator.wait_for_everyone()
     finish_trackers(accelerator, cfg.tracker, out, state["run_id"], say)  # also destroys the process group
     guard.signals.restore()

@@ -25,6 +25,8 @@ def build_pipeline_engine(cfg: Config, accelerator, model: nn.Module, optimizer:
 
         return MultiProcessPipelineEngine(cfg, accelerator, model, optimizer, val_loader)
     S = p.pipeline_stages
-    raise UserError(f"parallel.pipeline_stages={S} in one process needs parallel.stage_devices (one device per stage, e.g. "
-                    f"[{','.join(['cpu'] * S)}] or [{','.join(f'cuda:{i}' for i in range(S))}]), or launch {S} processes: "
-                    f"torchrun --nproc-per-node {S} train.py ...")
+    raise UserError(
+        f"parallel.pipeline_stages={S} in one process needs parallel.stage_devices (one device per stage, e.g. "
+        f"[{','.join(['cpu'] * S)}] or [{','.join(f'cuda:{i}' for i in range(S))}]), or launch {S} processes: "
+        f"torchrun --nproc-per-node {S} train.py ..."
+    )

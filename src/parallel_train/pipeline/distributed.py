@@ -40,24 +40,31 @@ def check_layout(cfg: Config, world: int, precision: str) -> tuple[int, int]:
     p = cfg.parallel
     S = p.pipeline_stages
     if world % S:
-        raise UserError(f"parallel.pipeline_stages={S} does not divide the world size {world}; launch a multiple of {S} processes "
-                        f"(stages x data-parallel replicas), e.g. torchrun --nproc-per-node {S} train.py ...")
+        raise UserError(
+            f"parallel.pipeline_stages={S} does not divide the world size {world}; launch a multiple of {S} processes "
+            f"(stages x data-parallel replicas), e.g. torchrun --nproc-per-node {S} train.py ..."
+        )
     V = p.stages_per_rank if p.schedule == "interleaved1f1b" else 1
     if V < 2 and p.schedule == "interleaved1f1b":
         raise UserError("parallel.stages_per_rank: interleaved1f1b needs at least 2 stages per rank; set parallel.stages_per_rank=2")
     if cfg.train.batch_size % p.microbatches:
-        raise UserError(f"train.batch_size={cfg.train.batch_size} is not divisible by parallel.microbatches={p.microbatches}; "
-                        "the micro-batches must be equal for the mean loss to match the unsplit model")
+        raise UserError(
+            f"train.batch_size={cfg.train.batch_size} is not divisible by parallel.microbatches={p.microbatches}; "
+            "the micro-batches must be equal for the mean loss to match the unsplit model"
+        )
     if p.schedule == "1f1b" and p.microbatches < S:
-        raise UserError(f"parallel.microbatches={p.microbatches}: 1f1b needs at least one micro-batch per stage ({S}); "
-                        "raise parallel.microbatches or use parallel.schedule=gpipe")
+        raise UserError(
+            f"parallel.microbatches={p.microbatches}: 1f1b needs at least one micro-batch per stage ({S}); "
+            "raise parallel.microbatches or use parallel.schedule=gpipe"
+        )
     if p.schedule == "interleaved1f1b" and p.microbatches % max(1, p.microbatches // S):
-        raise UserError(f"parallel.microbatches={p.microbatches}: interleaved1f1b needs a multiple of parallel.pipeline_stages={S} "
-                        f"(or fewer micro-batches than stages)")
+        raise UserError(
+            f"parallel.microbatches={p.microbatches}: interleaved1f1b needs a multiple of parallel.pipeline_stages={S} "
+            f"(or fewer micro-batches than stages)"
+        )
     if precision == "fp16":
         raise UserError("mixed precision fp16 is not supported by the multi-process pipeline (no loss scaling there); use bf16")
     return V, world // S
-
 
 
 def _contiguous_input_grads(module, args):
@@ -66,6 +73,7 @@ def _contiguous_input_grads(module, args):
     for x in args:
         if torch.is_tensor(x) and x.requires_grad:
             x.register_hook(lambda grad: grad.contiguous())
+
 
 class MultiProcessPipelineEngine:
     """Executor 2: the same methods as DataParallelEngine; collectives run on every rank."""
@@ -108,9 +116,12 @@ class MultiProcessPipelineEngine:
         self.schedule = self._make_schedule(M, p.schedule, timed=True)
         self.eval_schedule = None  # built at the first evaluation: its batches may have another size
 
-        self.name = (f"multi-process pipeline (executor 2, torch.distributed.pipelining): {S} stage ranks"
-                     + (f" x {V} interleaved stages each" if V > 1 else "") + f", schedule {p.schedule}, {M} micro-batches, "
-                     f"{D} data-parallel replica{'s' if D > 1 else ''}")
+        self.name = (
+            f"multi-process pipeline (executor 2, torch.distributed.pipelining): {S} stage ranks"
+            + (f" x {V} interleaved stages each" if V > 1 else "")
+            + f", schedule {p.schedule}, {M} micro-batches, "
+            f"{D} data-parallel replica{'s' if D > 1 else ''}"
+        )
         places = [f"rank {i % S}" for i in range(S * V)]
         accelerator.print(f"[parallel_train] pipeline split: {describe_stages(model, plan, places)}")
 
@@ -120,7 +131,9 @@ class MultiProcessPipelineEngine:
         from torch.distributed.pipelining import PipelineStage, schedules
 
         n = self.S * self.V
-        stages = [PipelineStage(mod, i, n, self.device, group=self.pp_group) for mod, i in zip(self.stage_mods, self.stage_ids, strict=True)]
+        stages = [
+            PipelineStage(mod, i, n, self.device, group=self.pp_group) for mod, i in zip(self.stage_mods, self.stage_ids, strict=True)
+        ]
         for stage in stages if timed else ():
             stage.forward_one_chunk = self._timed(stage.forward_one_chunk, "F", stage.stage_index)
             stage.backward_one_chunk = self._timed(stage.backward_one_chunk, "B", stage.stage_index)
@@ -139,6 +152,7 @@ class MultiProcessPipelineEngine:
                 torch.cuda.synchronize(self.device)
             self.recorder.add(self.pp_rank, stage_index, chunk_id, kind, t0, time.time())
             return result
+
         return wrapper
 
     def _run(self, x: torch.Tensor, y: torch.Tensor, train: bool) -> list[torch.Tensor]:
@@ -269,7 +283,9 @@ class MultiProcessPipelineEngine:
             return {}
         n = min(len(p) for p in parts)
         flushes = [sorted(s for p in parts for s in p[len(p) - n + k]) for k in range(n)]
-        labels = [f"rank {r}" + (f" (stages {', '.join(str(r + k * self.S) for k in range(self.V))})" if self.V > 1 else "")
-                  for r in range(self.S)]
+        labels = [
+            f"rank {r}" + (f" (stages {', '.join(str(r + k * self.S) for k in range(self.V))})" if self.V > 1 else "")
+            for r in range(self.S)
+        ]
         title = f"multi-process pipeline: {self.S} ranks, schedule {self.cfg.parallel.schedule}, {self.M} micro-batches"
         return write_report(flushes, labels, self.M, self.V, out, title, self.accelerator.print)

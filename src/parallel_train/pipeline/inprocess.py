@@ -46,8 +46,10 @@ def resolve_devices(names: list[str], local_rank: int) -> list[torch.device]:
             visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
             if index >= visible:
                 where = f"for local process {local_rank} " if local_rank else ""
-                raise UserError(f"parallel.stage_devices: cuda:{index} {where}does not exist ({visible} CUDA devices visible); "
-                                "list devices that exist, e.g. [cpu,cpu] on a machine without GPUs")
+                raise UserError(
+                    f"parallel.stage_devices: cuda:{index} {where}does not exist ({visible} CUDA devices visible); "
+                    "list devices that exist, e.g. [cpu,cpu] on a machine without GPUs"
+                )
             d = torch.device("cuda", index)
         elif d.type != "cpu":
             try:
@@ -91,8 +93,15 @@ class Clock:
 class PipelineModule(nn.Module):
     """`model` split over `devices`, fed in micro-batches: forward(x) -> logits on the last device."""
 
-    def __init__(self, model: nn.Module, stages: list[list[str]], devices: list[torch.device], microbatches: int,
-                 recorder: Recorder, profile_every: int = 1):
+    def __init__(
+        self,
+        model: nn.Module,
+        stages: list[list[str]],
+        devices: list[torch.device],
+        microbatches: int,
+        recorder: Recorder,
+        profile_every: int = 1,
+    ):
         super().__init__()
         self.model, self.devices, self.microbatches = model, devices, microbatches
         self.recorder, self.profile_every, self.clock = recorder, profile_every, Clock(devices)
@@ -112,6 +121,7 @@ class PipelineModule(nn.Module):
     def _mover(device: torch.device):
         def hook(module, args):
             return tuple(a.to(device) if torch.is_tensor(a) and a.device != device else a for a in args)
+
         return hook
 
     def _stamp(self, stage: int, mb: int, what: str, device: torch.device) -> None:
@@ -125,6 +135,7 @@ class PipelineModule(nn.Module):
                 for a in args:  # the gradient reaching the stage's input ends its backward
                     if torch.is_tensor(a) and a.requires_grad:
                         a.register_hook(lambda g, mb=mb: self._stamp(stage, mb, "B1", device))
+
         return hook
 
     def _stage_first_out(self, stage: int, device: torch.device):
@@ -132,6 +143,7 @@ class PipelineModule(nn.Module):
             # A stage whose input needs no gradient (token ids): its backward ends at its first module's output.
             if self.profiling and not any(torch.is_tensor(a) and a.requires_grad for a in args) and output.requires_grad:
                 output.register_hook(lambda g, mb=self._mb: self._stamp(stage, mb, "B1", device))
+
         return hook
 
     def _stage_end(self, stage: int, device: torch.device):
@@ -140,6 +152,7 @@ class PipelineModule(nn.Module):
                 self._stamp(stage, self._mb, "F1", device)
                 if output.requires_grad:
                     output.register_hook(lambda g, mb=self._mb: self._stamp(stage, mb, "B0", device))
+
         return hook
 
     def _close_flush(self) -> None:
@@ -182,11 +195,15 @@ class InProcessPipelineEngine(DataParallelEngine):
     def __init__(self, cfg: Config, accelerator, model: nn.Module, optimizer: torch.optim.Optimizer, val_loader):
         p = cfg.parallel
         if p.schedule != "gpipe":
-            raise UserError(f"parallel.schedule={p.schedule}: the one-process executor (parallel.stage_devices given) runs gpipe; "
-                            "drop stage_devices and launch one process per stage for 1f1b or interleaved1f1b")
+            raise UserError(
+                f"parallel.schedule={p.schedule}: the one-process executor (parallel.stage_devices given) runs gpipe; "
+                "drop stage_devices and launch one process per stage for 1f1b or interleaved1f1b"
+            )
         if cfg.train.batch_size < p.microbatches:
-            raise UserError(f"parallel.microbatches={p.microbatches} is more than train.batch_size={cfg.train.batch_size}; "
-                            "use at most one micro-batch per sample")
+            raise UserError(
+                f"parallel.microbatches={p.microbatches} is more than train.batch_size={cfg.train.batch_size}; "
+                "use at most one micro-batch per sample"
+            )
         devices = resolve_devices(p.stage_devices, accelerator.local_process_index)
         stages = plan_stages(model, len(devices), p.split)
         self.cfg, self.accelerator, self.base, self.stages = cfg, accelerator, model, stages
@@ -196,8 +213,9 @@ class InProcessPipelineEngine(DataParallelEngine):
             accelerator.print("notice: train.compile is not applied to a pipeline-split model; training uncompiled")
         self.recorder = Recorder()
         # On GPUs the host would wait for each timed flush; time one flush in ten there.
-        self.pipe = PipelineModule(model, stages, devices, p.microbatches, self.recorder,
-                                   profile_every=10 if any(d.type == "cuda" for d in devices) else 1)
+        self.pipe = PipelineModule(
+            model, stages, devices, p.microbatches, self.recorder, profile_every=10 if any(d.type == "cuda" for d in devices) else 1
+        )
         if accelerator.num_processes > 1:
             # Accelerate refuses (or pins DDP to one GPU for) a model spread over devices unless told to
             # let it be; DDP then syncs the gradients of the multi-device module (device_ids=None).
@@ -208,9 +226,11 @@ class InProcessPipelineEngine(DataParallelEngine):
         self.device = devices[-1]  # targets meet the logits on the last stage
         self.dp_size, self.dp_rank = accelerator.num_processes, accelerator.process_index
         self.devices = devices
-        self.name = (f"pipeline in one process (executor 1): {len(devices)} stages on {', '.join(map(str, devices))}, "
-                     f"GPipe fill-drain over {p.microbatches} micro-batches"
-                     + (f", x {accelerator.num_processes} DDP replicas" if accelerator.num_processes > 1 else ""))
+        self.name = (
+            f"pipeline in one process (executor 1): {len(devices)} stages on {', '.join(map(str, devices))}, "
+            f"GPipe fill-drain over {p.microbatches} micro-batches"
+            + (f", x {accelerator.num_processes} DDP replicas" if accelerator.num_processes > 1 else "")
+        )
         accelerator.print(f"[parallel_train] pipeline split: {describe_stages(model, stages, devices)}")
 
     @property

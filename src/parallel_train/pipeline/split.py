@@ -30,8 +30,10 @@ CONTAINERS = (nn.ModuleDict, nn.ModuleList, nn.Sequential)
 def model_units(model: nn.Module) -> dict[str, nn.Module]:
     """The splittable units of `model`, in forward order: name -> module."""
     if any(True for _ in model.parameters(recurse=False)):
-        raise UserError(f"{type(model).__name__} has parameters of its own, outside its named parts; "
-                        "move them into a submodule so the pipeline splitter can place them")
+        raise UserError(
+            f"{type(model).__name__} has parameters of its own, outside its named parts; "
+            "move them into a submodule so the pipeline splitter can place them"
+        )
     units: dict[str, nn.Module] = {}
     for name, child in model.named_children():
         if isinstance(child, CONTAINERS):
@@ -74,8 +76,10 @@ def _short_list(names: list[str]) -> str:
 def describe_stages(model: nn.Module, stages: list[list[str]], places: list) -> str:
     """`stage 0 on cpu: tok_emb, pos_emb, drop, blocks.0..1 (0.41M params) | stage 1 ...` for the start banner."""
     units = model_units(model)
-    return " | ".join(f"stage {s} on {place}: {_short_list(names)} ({sum(n_params(units[n]) for n in names) / 1e6:.2f}M params)"
-                      for s, (names, place) in enumerate(zip(stages, places, strict=True)))
+    return " | ".join(
+        f"stage {s} on {place}: {_short_list(names)} ({sum(n_params(units[n]) for n in names) / 1e6:.2f}M params)"
+        for s, (names, place) in enumerate(zip(stages, places, strict=True))
+    )
 
 
 def parse_spec(spec: str, units: dict[str, nn.Module]) -> list[list[str]]:
@@ -123,8 +127,10 @@ def _complete(model: nn.Module, stages: list[list[str]], units: dict[str, nn.Mod
     for name in units:  # forward order
         if name in owner:
             if owner[name] < last_seen:
-                raise UserError(f"parallel.split: {name!r} (stage {owner[name]}) runs after a module of stage {last_seen}; "
-                                "stages must follow the model's forward order")
+                raise UserError(
+                    f"parallel.split: {name!r} (stage {owner[name]}) runs after a module of stage {last_seen}; "
+                    "stages must follow the model's forward order"
+                )
             last_seen = owner[name]
         elif n_params(units[name]) > 0:
             raise UserError(f"parallel.split: module {name!r} is in no stage; every part with parameters must be placed")
@@ -163,15 +169,18 @@ def plan_stages(model: nn.Module, n_stages: int, spec: str = "auto") -> list[lis
     bundles = _bundles(model, units)
     if spec.strip() in ("", "auto"):
         if n_stages > len(bundles):
-            raise UserError(f"parallel.pipeline_stages={n_stages}: this model has only {len(bundles)} parts to split "
-                            f"({' | '.join(_short_list(b) for b in bundles)}); use at most {len(bundles)} stages or a deeper model")
+            raise UserError(
+                f"parallel.pipeline_stages={n_stages}: this model has only {len(bundles)} parts to split "
+                f"({' | '.join(_short_list(b) for b in bundles)}); use at most {len(bundles)} stages or a deeper model"
+            )
         cuts = balance([sum(n_params(units[n]) for n in b) for b in bundles], n_stages)
         bounds = [0, *cuts, len(bundles)]
-        return [[n for b in bundles[bounds[s]:bounds[s + 1]] for n in b] for s in range(n_stages)]
+        return [[n for b in bundles[bounds[s] : bounds[s + 1]] for n in b] for s in range(n_stages)]
     stages = parse_spec(spec, units)
     if len(stages) != n_stages:
-        raise UserError(f"parallel.split: names {len(stages)} stages but parallel.pipeline_stages (x stages_per_rank) is {n_stages}; "
-                        "make them agree")
+        raise UserError(
+            f"parallel.split: names {len(stages)} stages but parallel.pipeline_stages (x stages_per_rank) is {n_stages}; make them agree"
+        )
     return _complete(model, stages, units)
 
 

@@ -93,25 +93,35 @@ def draw(spans: list[Span], row_labels: list[str], path: Path, title: str) -> No
     ax.invert_yaxis()
     ax.set_xlabel("time in the step (ms)")
     ax.set_title(title, fontsize=10)
-    handles = [Patch(color=colors["F"], label="forward of micro-batch i (Fi)"), Patch(color=colors["B"], label="backward (Bi)"),
-               Patch(facecolor="white", edgecolor="black", label="white: bubble (idle)")]
+    handles = [
+        Patch(color=colors["F"], label="forward of micro-batch i (Fi)"),
+        Patch(color=colors["B"], label="backward (Bi)"),
+        Patch(facecolor="white", edgecolor="black", label="white: bubble (idle)"),
+    ]
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3, fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def write_report(flushes: list[list[Span]], row_labels: list[str], microbatches: int, stages_per_row: int,
-                 out: Path, title: str, say) -> dict:
+def write_report(
+    flushes: list[list[Span]], row_labels: list[str], microbatches: int, stages_per_row: int, out: Path, title: str, say
+) -> dict:
     """Draw the last measured flush to out/pipeline_timeline.png; return the bubble figures for summary.json."""
     result = summarize(flushes, len(row_labels), microbatches, stages_per_row)
     if flushes:
         path = out / "pipeline_timeline.png"
         measured = result["pipeline_bubble_measured"]
-        draw(flushes[-1], row_labels, path, f"{title}\nbubble measured {measured:.0%} (mean of {len(flushes)} flushes), "
-             f"ideal {result['pipeline_bubble_ideal']:.0%}")
+        draw(
+            flushes[-1],
+            row_labels,
+            path,
+            f"{title}\nbubble measured {measured:.0%} (mean of {len(flushes)} flushes), ideal {result['pipeline_bubble_ideal']:.0%}",
+        )
         result["pipeline_timeline"] = path.name
         formula = "(S-1)/(M+S-1)" if stages_per_row == 1 else f"(S-1)/(V*M+S-1), V={stages_per_row},"
-        say(f"[parallel_train] pipeline bubble: measured {measured:.1%}, ideal {formula} = {result['pipeline_bubble_ideal']:.1%} "
-            f"(S={len(row_labels)}, M={microbatches}); schedule picture: {path}")
+        say(
+            f"[parallel_train] pipeline bubble: measured {measured:.1%}, ideal {formula} = {result['pipeline_bubble_ideal']:.1%} "
+            f"(S={len(row_labels)}, M={microbatches}); schedule picture: {path}"
+        )
     return result
