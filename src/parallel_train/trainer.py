@@ -20,7 +20,7 @@ from parallel_train import checkpoint, faults
 from parallel_train.config import Config, save_config
 from parallel_train.data import build_datasets, load_vocab, train_loader, val_loader
 from parallel_train.engine import build_engine
-from parallel_train.errors import UserError
+from parallel_train.errors import UserError, is_first_process
 from parallel_train.guards import RunGuard, check_finite_weights, stop_message
 from parallel_train.launch import make_accelerator, topology
 from parallel_train.messages import train_line
@@ -35,8 +35,6 @@ RUN_FILES = ("metrics.jsonl", "summary.json", "model.safetensors")
 
 def say(message: str) -> None:
     """One line from the first process (before the Accelerator exists too)."""
-    from parallel_train.errors import is_first_process
-
     if is_first_process():
         tqdm.write(message)
 
