@@ -271,6 +271,22 @@ def test_non_finite_loss_stops_naming_the_step_and_writes_no_checkpoint(tmp_path
     assert not checkpoint.list_checkpoints(out / "checkpoints") and not (out / "model.safetensors").exists()
 
 
+def test_between_agreements_a_signal_and_a_non_finite_step_are_still_caught(tmp_path):
+    """No log or checkpoint step forces an agreement here, so ranks compare notes every guards.AGREE_EVERY (16)
+    steps: a signal on one rank stops both at step 16, and a NaN at step 2 is still named as step 2."""
+    quiet = (*BASE, "train.max_steps=40", "train.lr_decay_steps=40", "train.log_interval=100", "eval.interval=0", "checkpoint.interval=0")
+    out = tmp_path / "signal"
+    result = check(run(torchrun_cmd(2, *quiet, f"output_dir={out}"), env=fault_env(tmp_path, "sigterm@3:rank=1")))
+    assert "SIGTERM: stopped at step 16 of 40" in result.output
+    assert json.loads((out / "checkpoints" / "step_0000016" / "trainer_state.json").read_text())["step"] == 16
+    out = tmp_path / "nan"
+    result = run(torchrun_cmd(2, *quiet, f"output_dir={out}"), env=fault_env(tmp_path, "nan@2:rank=1"))
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 and len(errors) == 1, result.output[-3000:]
+    assert "non-finite loss or gradients at step 2 (all ranks stopped at step 16" in errors[0]
+    assert not checkpoint.list_checkpoints(out / "checkpoints") and not (out / "model.safetensors").exists()
+
+
 def test_non_finite_steps_are_skipped_up_to_the_limit_on_all_ranks(tmp_path):
     out = tmp_path / "run"
     result = check(run(torchrun_cmd(2, *BASE, "train.max_skipped_steps=1", f"output_dir={out}"), env=fault_env(tmp_path, "nan@2:rank=1")))

@@ -11,11 +11,11 @@
   line and exit code 1 instead of a C++ traceback or a hang, so an elastic launcher can restart the job.
 
 Agreement: ranks compare notes with one all-reduce of two integers ("a stop signal arrived", "first
-non-finite step"). On CPU (gloo) that costs microseconds and happens after every step. On GPUs reading the
-result is a host-device sync that would stall the pipelined launch of kernels, so it happens only every
-AGREE_EVERY_ON_GPU steps and on log, checkpoint and final steps (which sync anyway). A signal is then
-honoured within that many steps (well inside SLURM's and torchrun's grace periods of 30 s or more), and the
-non-finite flags of the steps in between are kept on the device, so the first bad step is still named.
+non-finite step") every AGREE_EVERY steps and on log, checkpoint and final steps. Not every step: on GPUs
+reading the result is a host-device sync that would stall the pipelined launch of kernels, and on CPU the
+extra gloo round trip (a barrier between ranks) cost 4% of 2-process throughput (docs/BENCHMARKS.md). A
+signal is then honoured within that many steps (well inside SLURM's and torchrun's grace periods of 30 s or
+more), and the non-finite flags of the steps in between are kept, so the first bad step is still named.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 from parallel_train.errors import UserError
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-AGREE_EVERY_ON_GPU = 16
+AGREE_EVERY = 16
 NO_BAD_STEP = 2**62  # "no non-finite step seen" in the agreement's min-reduction
 
 
@@ -91,7 +91,7 @@ class RunGuard:
     def __init__(self, accelerator, max_skipped: int, timeout_s: int, skipped_so_far: int = 0):
         self.accelerator, self.device = accelerator, accelerator.device
         self.max_skipped, self.skipped = max_skipped, skipped_so_far
-        self.every = 1 if self.device.type == "cpu" else AGREE_EVERY_ON_GPU
+        self.every = AGREE_EVERY
         self.signals = StopSignals()
         self.step = 0
         self._bad: list[tuple[int, torch.Tensor]] = []  # (step, device bool) since the last agreement
@@ -140,8 +140,8 @@ class RunGuard:
             hits = [s for (s, _), f in zip(self._bad, flags.tolist(), strict=True) if f]
             first_bad = hits[0] if hits else NO_BAD_STEP
             self._bad.clear()
-        got_signal = 1 if self.signals.received is not None else 0
-        # One all-reduce: MAX of (signal, -first_bad) = (any rank signalled, -(earliest bad step on any rank)).
+        got_signal = self.signals.received or 0  # the signal's number, so every rank can name it
+        # One all-reduce: MAX of (signal, -first_bad) = (a signal any rank got, -(earliest bad step on any rank)).
         # A CPU tensor under gloo; the device under NCCL (which cannot reduce CPU tensors).
         device = self.device if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl" else "cpu"
         agreed = _all_reduce(
@@ -154,7 +154,7 @@ class RunGuard:
                 "to skip such steps"
             )
         if agreed[0]:
-            return self.signals.name or "a stop signal (on another rank)"
+            return self.signals.name or signal.Signals(agreed[0]).name
         return None
 
 
