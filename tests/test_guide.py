@@ -14,6 +14,7 @@ Section 2's data files are the user's own; the test writes small ones where the 
 from __future__ import annotations
 
 import json
+import math
 import re
 import shlex
 import shutil
@@ -182,6 +183,7 @@ def test_customize_guide_as_written_trains_on_two_processes(tmp_path):
                     assert "Traceback" not in result.output, (heading, line, result.output[-3000:])
     assert skipped == 1 and len(ran) == 6, list(ran)
     assert changed.count("src/parallel_train/data_sources.py") == 2 and "src/parallel_train/losses.py" in changed
+    assert "src/parallel_train/metrics.py" in changed
 
     # What each run shows a user: their model and data trained, on 2 processes, and text came out.
     runs = root / "runs"
@@ -190,6 +192,8 @@ def test_customize_guide_as_written_trains_on_two_processes(tmp_path):
         assert summary["world_size"] == 2 and (runs / name / "metrics.png").is_file(), name
         losses = [r["loss"] for r in read_metrics(runs / name) if r["kind"] == "train"]
         assert losses[-1] < losses[0], (name, losses)
+    evals = [r for r in read_metrics(runs / "utterances") if r["kind"] == "eval"]  # the metric of section 3
+    assert evals and all(r["val_bits_per_char"] == pytest.approx(r["val_loss"] / math.log(2)) and "val_accuracy" in r for r in evals)
     config = (runs / "char_rnn" / "config.yaml").read_text()
     assert "name: char_rnn" in config and "rnn_residual: true" in config
     pipeline_log = next(r.output for line, r in ran.items() if "pipeline_stages=2" in line)

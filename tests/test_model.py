@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from parallel_train.config import ModelConfig
@@ -49,3 +50,19 @@ def test_seed_mlp():
     assert [n for n, _ in model.named_children()] == ["fc1", "act", "fc2"]
     assert model(torch.randn(64, 10)).shape == (64, 10)
     assert sum(p.numel() for p in model.parameters()) == 10 * 50 + 50 + 50 * 10 + 10
+
+
+def test_metrics_are_ratios_of_sums_over_samples_and_skip_padding():
+    from parallel_train.metrics import add_stats, metric_stats, metric_values
+
+    logits = torch.tensor([[[5.0, 0.0], [0.0, 5.0], [5.0, 0.0]], [[0.0, 5.0], [0.0, 5.0], [5.0, 0.0]]])  # (B=2, T=3, V=2)
+    targets = torch.tensor([[0, 0, -100], [1, 1, 1]])  # sample 0: 1 of 2 real targets right; sample 1: 2 of 3
+    totals = None
+    for i in range(2):  # one sample per batch, as if on two ranks
+        totals = add_stats(totals, metric_stats(logits[i : i + 1], targets[i : i + 1]))
+    values = metric_values(totals)
+    assert values["accuracy"] == pytest.approx(3 / 5)  # over all real targets, not the mean of 1/2 and 2/3
+    assert values["loss"] == pytest.approx(per_sample_loss(logits, targets).mean().item())  # the mean per-sample loss
+    # Classification (the seed MLP): one target per sample.
+    values = metric_values(add_stats(None, metric_stats(torch.tensor([[1.0, 0.0], [1.0, 0.0]]), torch.tensor([0, 1]))))
+    assert values["accuracy"] == 0.5

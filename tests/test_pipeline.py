@@ -136,6 +136,8 @@ def assert_same_training(run_dir, ref_dir, steps=range(1, 7), atol=1e-5, file="m
         assert got[step] == pytest.approx(want[step], abs=1e-5), (step, got, want)
     if file == "model.safetensors":  # the evaluation (its own schedule / sharding) agrees too
         assert summary(run_dir)["final_val_loss"] == pytest.approx(summary(ref_dir)["final_val_loss"], abs=1e-4)
+        got, want = summary(run_dir)["final_val_metrics"], summary(ref_dir)["final_val_metrics"]
+        assert got.keys() == want.keys() and got["val_accuracy"] == pytest.approx(want["val_accuracy"], abs=1e-6)
     w, ref = weights(run_dir, file), weights(ref_dir, file)
     assert w.keys() == ref.keys()
     for k in ref:  # Adam amplifies float noise in tiny gradients: a looser atol for it

@@ -49,7 +49,8 @@ def test_single_process_run_writes_every_output_and_learns(runs):
     evals = [r for r in records if r["kind"] == "eval"]
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
     assert {"step", "loss", "lr", "tokens_per_sec", "step_time_s", "data_time_frac", "mfu"} <= set(train[0])
-    assert [r["step"] for r in evals] == [3, 6] and all("val_loss" in r for r in evals)
+    assert [r["step"] for r in evals] == [3, 6] and all({"val_loss", "val_accuracy"} <= set(r) for r in evals)
+    assert 0 < evals[-1]["val_accuracy"] < 1
     assert train[-1]["loss"] < train[0]["loss"]
     s = summary(out)
     assert s["steps"] == 6 and s["world_size"] == 1 and s["distributed_type"] == "NO"
@@ -80,6 +81,8 @@ def test_two_processes_x_batch_4_equal_one_process_x_batch_8(runs):
     lrs = {name: [r["lr"] for r in read_metrics(out[name]) if r["kind"] == "train"] for name in ("single", "ddp")}
     assert lrs["single"] == lrs["ddp"]  # the scheduler steps once per optimizer step, whatever the world size
     assert summary(out["ddp"])["final_val_loss"] == pytest.approx(summary(out["single"])["final_val_loss"], rel=1e-4)
+    # Accuracy is a ratio of sums over the eval set: the same whatever the ranks (duplicates dropped).
+    assert summary(out["ddp"])["final_val_metrics"]["val_accuracy"] == summary(out["single"])["final_val_metrics"]["val_accuracy"]
     a, b = weights(out["single"]), weights(out["ddp"])
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-3, atol=1e-4)  # Adam amplifies float noise on near-zero grads

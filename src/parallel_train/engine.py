@@ -21,7 +21,8 @@ from torch import nn
 
 from parallel_train.checkpoint import load_optimizer_by_name, optimizer_state_by_name
 from parallel_train.config import Config
-from parallel_train.losses import loss_fn, per_sample_loss
+from parallel_train.losses import loss_fn
+from parallel_train.metrics import add_stats, metric_stats, metric_values
 from parallel_train.sharding import load_full_state_dict
 
 
@@ -74,12 +75,15 @@ class DataParallelEngine:
         return loss_sum / A, tokens
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean validation loss over the fixed eval set, each sample counted once across ranks."""
+    def evaluate(self) -> dict[str, float]:
+        """The validation metrics (metrics.py; "loss" first) over the fixed eval set, each sample counted once
+        across ranks."""
         self.model.eval()
-        losses = [self.accelerator.gather_for_metrics(per_sample_loss(self.model(x), y)) for x, y in self.val_loader]
+        totals = None
+        for x, y in self.val_loader:
+            totals = add_stats(totals, self.accelerator.gather_for_metrics(metric_stats(self.model(x), y)))
         self.model.train()
-        return torch.cat(losses).mean().item()
+        return metric_values(totals)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Whole-model weights on CPU with canonical names (a collective under FSDP/DeepSpeed)."""

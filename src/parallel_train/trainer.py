@@ -81,6 +81,10 @@ def peak_memory_mb(device: torch.device) -> dict[str, float]:
     return {"peak_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # host RSS (KiB on Linux)
 
 
+def fmt(value: float | None) -> str:
+    return "not measured (eval.interval=0)" if value is None else f"{value:.4f}"
+
+
 def run(cfg: Config, config_path: str | None) -> int:
     t_start = time.perf_counter()
     out = check_output_dir(cfg)
@@ -211,12 +215,15 @@ def run(cfg: Config, config_path: str | None) -> int:
 
         t_pause = time.perf_counter()
         if due(done, cfg.eval.interval):
-            val_loss = engine.evaluate()
+            val = engine.evaluate()  # {"loss": ..., and every other metric of metrics.py}
+            val_loss = val["loss"]
             state["final_val_loss"], state["final_val_step"] = val_loss, done
+            state["final_val_metrics"] = {f"val_{name}": value for name, value in val.items()}
             if state["best_val_loss"] is None or val_loss < state["best_val_loss"]:
                 state["best_val_loss"] = val_loss
-            metrics.log({"kind": "eval", "step": done, "val_loss": val_loss})
-            say(f"step {done}: train loss {state['final_train_loss']:.4f}, val loss {val_loss:.4f}")
+            metrics.log({"kind": "eval", "step": done, **state["final_val_metrics"]})
+            others = "".join(f", val {name} {value:.4f}" for name, value in val.items() if name != "loss")
+            say(f"step {done}: train loss {state['final_train_loss']:.4f}, val loss {val_loss:.4f}{others}")
         if due(done, cfg.checkpoint.interval) or (stop and done < cfg.train.max_steps):
             save_checkpoint(done)
         paused += time.perf_counter() - t_pause
@@ -244,6 +251,7 @@ def run(cfg: Config, config_path: str | None) -> int:
             "final_train_loss": state["final_train_loss"],
             "final_val_loss": state["final_val_loss"],
             "best_val_loss": state["best_val_loss"],
+            "final_val_metrics": state.get("final_val_metrics"),
             "world_size": world,
             "distributed_type": accelerator.distributed_type.value,
             "mixed_precision": accelerator.mixed_precision,
@@ -258,7 +266,7 @@ def run(cfg: Config, config_path: str | None) -> int:
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         say(f"[parallel_train] loss curves: {plot_runs([out], out / PICTURE)}")
         say(
-            f"[parallel_train] done: {cfg.train.max_steps} steps, val loss {state['final_val_loss']}, "
+            f"[parallel_train] done: {cfg.train.max_steps} steps, val loss {fmt(state['final_val_loss'])}, "
             f"{summary['wall_time_s']:.1f} s; outputs in {out}"
         )
     accelerator.wait_for_everyone()

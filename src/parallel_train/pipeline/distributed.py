@@ -29,6 +29,7 @@ from parallel_train.checkpoint import load_optimizer_by_name, optimizer_state_by
 from parallel_train.config import Config
 from parallel_train.errors import UserError
 from parallel_train.losses import loss_fn
+from parallel_train.metrics import add_stats, metric_stats, metric_values
 from parallel_train.pipeline.split import describe_stages, plan_stages, stage_module
 from parallel_train.pipeline.timeline import Recorder, write_report
 
@@ -125,7 +126,7 @@ class MultiProcessPipelineEngine:
         places = [f"rank {i % S}" for i in range(S * V)]
         accelerator.print(f"[parallel_train] pipeline split: {describe_stages(model, plan, places)}")
 
-    def _make_schedule(self, n_microbatches: int, name: str, timed: bool = False):
+    def _make_schedule(self, n_microbatches: int, name: str, timed: bool = False, loss: bool = True):
         """Stages over this rank's modules and the named schedule. Stages learn the activation shapes at
         their first step, so evaluation (another batch size) gets its own."""
         from torch.distributed.pipelining import PipelineStage, schedules
@@ -139,7 +140,9 @@ class MultiProcessPipelineEngine:
             stage.backward_one_chunk = self._timed(stage.backward_one_chunk, "B", stage.stage_index)
         schedule_cls = getattr(schedules, SCHEDULES[name])
         scaled_loss = lambda out, y: loss_fn(out, y) * self.loss_scale  # noqa: E731 (see the module docstring)
-        return schedule_cls(stages if self.V > 1 else stages[0], n_microbatches=n_microbatches, loss_fn=scaled_loss, scale_grads=False)
+        return schedule_cls(
+            stages if self.V > 1 else stages[0], n_microbatches=n_microbatches, loss_fn=scaled_loss if loss else None, scale_grads=False
+        )
 
     # ---- timing
     def _timed(self, fn, kind: str, stage_index: int):
@@ -155,13 +158,13 @@ class MultiProcessPipelineEngine:
 
         return wrapper
 
-    def _run(self, x: torch.Tensor, y: torch.Tensor, train: bool) -> list[torch.Tensor]:
-        """One pass of all micro-batches through the pipeline. Returns the scaled micro-batch losses (last stage)."""
+    def _run(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+        """One training pass of all micro-batches through the pipeline. Returns the scaled micro-batch losses (last stage)."""
         losses: list[torch.Tensor] = []
         args = (x.to(self.device),) if self.is_first else ()
         kwargs = {"target": y.to(self.device), "losses": losses} if self.is_last else {}
         with self.accelerator.autocast():
-            (self.schedule.step if train else self.eval_schedule.eval)(*args, **kwargs)
+            self.schedule.step(*args, **kwargs, return_outputs=False)  # the losses are all it needs
         return losses
 
     def train_step(self, batches) -> tuple[torch.Tensor, int]:
@@ -174,7 +177,7 @@ class MultiProcessPipelineEngine:
             self.profiling = self._steps % self.profile_every == 0
             if self.profiling:
                 self.recorder.start_flush()
-            for micro_loss in self._run(x, y, train=True):
+            for micro_loss in self._run(x, y):
                 loss += micro_loss.detach()  # scaled by 1/(M*A): the sum is the step's mean loss
             self.recorder.end_flush()
             self.profiling = False
@@ -216,27 +219,33 @@ class MultiProcessPipelineEngine:
         return total / self.dp_size
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean validation loss; the replicas take turns over the fixed eval batches (all the same size)."""
+    def evaluate(self) -> dict[str, float]:
+        """The validation metrics (metrics.py); the replicas take turns over the fixed eval batches, and each
+        replica's last stage computes them from the logits."""
         for mod in self.stage_mods:
             mod.eval()
         if self.eval_schedule is None:
             size = len(next(iter(self.val_loader))[0])  # every eval batch has this size
             self.eval_m = max(m for m in range(1, min(self.M, size) + 1) if size % m == 0 and m % max(1, m // self.S) == 0)
             # Forward only: every schedule runs the same forwards; gpipe takes any number of micro-batches.
-            self.eval_schedule = self._make_schedule(self.eval_m, "interleaved1f1b" if self.V > 1 else "gpipe")
-        self.loss_scale = 1.0 / self.eval_m  # the (equal) micro-batch losses of one batch add up to its mean
-        total = torch.zeros(2, device=self.device, dtype=torch.float64)
+            self.eval_schedule = self._make_schedule(self.eval_m, "interleaved1f1b" if self.V > 1 else "gpipe", loss=False)
+        totals = None
         for i, (x, y) in enumerate(self.val_loader):
             if i % self.dp_size != self.dp_rank:
                 continue
-            losses = self._run(x, y, train=False)
+            with self.accelerator.autocast():
+                logits = self.eval_schedule.eval(*((x.to(self.device),) if self.is_first else ()))
             if self.is_last:
-                total += torch.stack([sum(losses).double(), torch.ones((), device=self.device, dtype=torch.float64)])
+                totals = add_stats(totals, metric_stats(logits, y))
         for mod in self.stage_mods:
             mod.train()
-        dist.all_reduce(total)
-        return (total[0] / total[1]).item()
+        # The sums live on the last stage of each replica: every rank gathers them (a few numbers per metric).
+        parts: list[dict | None] = [None] * self.world
+        dist.all_gather_object(parts, {k: v.cpu() for k, v in totals.items()} if totals is not None else None)
+        summed = None
+        for part in filter(None, parts):
+            summed = part if summed is None else {k: summed[k] + part[k] for k in part}
+        return metric_values(summed)
 
     # ---- state: canonical names, gathered on rank 0 from replica 0's stages
     def _gather(self, obj: Any) -> list[Any] | None:

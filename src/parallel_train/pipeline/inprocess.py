@@ -24,7 +24,7 @@ from torch import nn
 from parallel_train.config import Config
 from parallel_train.engine import DataParallelEngine
 from parallel_train.errors import UserError
-from parallel_train.losses import loss_fn, per_sample_loss
+from parallel_train.losses import loss_fn
 from parallel_train.pipeline.split import describe_stages, model_units, plan_stages
 from parallel_train.pipeline.timeline import Recorder, write_report
 
@@ -236,16 +236,6 @@ class InProcessPipelineEngine(DataParallelEngine):
     @property
     def unwrapped(self) -> nn.Module:
         return self.base
-
-    @torch.no_grad()
-    def evaluate(self) -> float:
-        self.model.eval()
-        losses = []
-        for x, y in self.val_loader:
-            logits = self.model(x)
-            losses.append(self.accelerator.gather_for_metrics(per_sample_loss(logits, y.to(logits.device))))
-        self.model.train()
-        return torch.cat(losses).mean().item()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().contiguous().cpu() for k, v in self.base.state_dict().items()}

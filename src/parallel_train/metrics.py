@@ -1,0 +1,69 @@
+"""Validation metrics: what evaluation reports. Add yours to METRICS; each is logged as `val_<name>`.
+
+A metric comes in two parts, so that it is exact on any number of processes and pipeline stages:
+- `stats(logits, targets)`: a (batch, K) tensor of K numbers per sample that add up over the validation set
+  (correct tokens and tokens; true/false positives; n-gram matches and lengths for BLEU);
+- `value(totals)`: the metric from those K numbers summed over the whole validation set.
+Evaluation sums the statistics of every sample exactly once, across ranks (Accelerate's `gather_for_metrics`
+drops the repeated samples of an uneven last batch), so a ratio of sums (a micro-average over tokens) or a
+corpus-level score comes out the same on 1 process as on 64.
+
+`loss` must stay: the trainer reads it (val_loss, best checkpoint). It is the mean of `per_sample_loss`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from parallel_train.losses import per_sample_loss
+
+IGNORE_INDEX = -100  # targets with this value (padding) count for nothing, as in F.cross_entropy
+
+
+@dataclass(frozen=True)
+class Metric:
+    stats: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> (batch, K)
+    value: Callable[[list[float]], float]  # the K totals -> the reported number
+
+
+def loss_stats(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(sample's loss, 1): their ratio of sums is the mean per-sample loss."""
+    losses = per_sample_loss(logits, targets)
+    return torch.stack([losses, torch.ones_like(losses)], dim=1)
+
+
+def accuracy_stats(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(correct predictions, real targets) per sample: their ratio of sums is the accuracy over all targets."""
+    real = (targets != IGNORE_INDEX).reshape(targets.shape[0], -1)
+    correct = (logits.argmax(dim=-1) == targets).reshape(targets.shape[0], -1) & real
+    return torch.stack([correct.sum(dim=1), real.sum(dim=1)], dim=1)
+
+
+def ratio(totals: list[float]) -> float:
+    return totals[0] / totals[1] if totals[1] else float("nan")
+
+
+METRICS: dict[str, Metric] = {
+    "loss": Metric(loss_stats, ratio),
+    "accuracy": Metric(accuracy_stats, ratio),  # of next-token (or class) predictions
+}
+
+
+def metric_stats(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Every metric's per-sample statistics: {name: (batch, K)}, float64 so that sums stay exact."""
+    targets = targets.to(logits.device)
+    return {name: m.stats(logits, targets).to(torch.float64) for name, m in METRICS.items()}
+
+
+def add_stats(totals: dict[str, torch.Tensor] | None, stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Running sums over samples: totals + the column sums of one batch's statistics."""
+    batch = {name: s.sum(dim=0) for name, s in stats.items()}
+    return batch if totals is None else {name: totals[name] + batch[name] for name in batch}
+
+
+def metric_values(totals: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The metrics from their statistics summed over the validation set."""
+    return {name: float(METRICS[name].value(totals[name].tolist())) for name in METRICS}
