@@ -21,7 +21,7 @@ from parallel_train.errors import UserError
 from parallel_train.models import build_model
 from parallel_train.pipeline.distributed import check_layout
 from parallel_train.pipeline.inprocess import resolve_devices
-from parallel_train.pipeline.split import balance, model_units, plan_stages, stage_module
+from parallel_train.pipeline.split import balance, describe_stages, model_units, plan_stages, stage_module
 from parallel_train.pipeline.timeline import bubble_fraction, draw, ideal_bubble
 
 # dropout 0 (the default); batch 4 x 2 accumulation steps = global batch 8.
@@ -53,6 +53,23 @@ def test_explicit_split_with_ranges_and_left_out_dropout():
     stages = plan_stages(model, 2, "tok_emb,pos_emb,blocks.0..1 | blocks.2..3,ln_f,head")
     assert stages == [["tok_emb", "pos_emb", "drop", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "ln_f", "head"]]
     assert plan_stages(model, 2, "tok_emb,pos_emb,blocks|ln_f,head")[0][-1] == "blocks.3"  # a whole row
+
+
+def test_time_split_balances_measured_time_not_parameters():
+    """A GPT-2-like imbalance: the 20k-token embedding holds most parameters and costs little; the output layer
+    (as large) is by far the most expensive unit. split=time measures that and gives the head a stage alone."""
+    from parallel_train.pipeline.cost import unit_times
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(n_layer=4, n_head=2, n_embd=32, block_size=16), 20_000)
+    units = list(model_units(model))
+    x = torch.randint(0, 20_000, (4, 16))
+    seconds = dict(zip(units, unit_times(model, units, x, x, torch.device("cpu")), strict=True))
+    assert max(seconds, key=seconds.get) == "head" and seconds["head"] > 3 * seconds["tok_emb"], seconds
+    stages = plan_stages(model, 2, "time", lambda names: [seconds[n] for n in names])
+    assert stages[1] == ["head"] and plan_stages(model, 2)[1] != ["head"]  # auto (parameters) cuts elsewhere
+    assert all(p.grad is None for p in model.parameters())  # measured on a copy: the model is untouched
+    assert describe_stages(model, stages, ["cpu", "cpu"], seconds).count("% of the measured time") == 2
 
 
 @pytest.mark.parametrize(
@@ -206,7 +223,7 @@ def test_multi_process_pipeline_matches_unsplit_model(reference, schedule):
     extra = {
         "1f1b": SGD,
         "gpipe": (*ADAM, f"resume={ref / 'checkpoints' / 'step_0000003'}"),
-        "interleaved1f1b": (*SGD, "parallel.stages_per_rank=2"),
+        "interleaved1f1b": (*SGD, "parallel.stages_per_rank=2", "parallel.split=time"),  # both ranks must cut alike
     }[schedule]
     result = check(
         run(
@@ -217,6 +234,8 @@ def test_multi_process_pipeline_matches_unsplit_model(reference, schedule):
         )
     )
     assert "executor 2, torch.distributed.pipelining): 2 stage ranks" in result.output
+    if schedule == "interleaved1f1b":
+        assert result.output.count("% of the measured time") == 4  # 4 stages, cut by measured time
     if schedule == "gpipe":
         assert_same_training(out, ref, steps=range(4, 7), atol=1e-4)
         step6 = "checkpoints/step_0000006/optimizer.safetensors"

@@ -135,3 +135,12 @@ def test_cpu_flag_that_starts_one_process_is_refused(tmp_path):
     r = run([ACCELERATE, "launch", "--cpu", "--num_processes", "2", "train.py", *TINY, f"output_dir={tmp_path}"], env=launch_env(tmp_path))
     assert r.returncode != 0, r.output
     assert "error: the launcher was asked for 2 processes but 1 formed the process group" in r.output, r.output[-3000:]
+
+
+def test_evaluation_before_the_first_log_step(tmp_path):
+    """eval.interval below train.log_interval: the eval line has no train loss yet and says so."""
+    out = tmp_path / "run"
+    result = check(
+        run(train_cmd(*TINY, "train.max_steps=2", "eval.interval=1", "train.log_interval=5", f"output_dir={out}"), env=launch_env(tmp_path))
+    )
+    assert "step 1: train loss n/a, val loss" in result.output and summary(out)["final_val_loss"] > 0

@@ -109,7 +109,8 @@ class ParallelConfig:
     stage_devices: list[str] = opt([], "devices of the stages in one process, e.g. [cuda:0,cuda:1]")
     split: str = opt(
         "auto",
-        "auto (balance parameter count) or module names per stage, stages split by |: 'tok_emb,pos_emb,blocks.0..1|blocks.2..3,ln_f,head'",
+        "auto (balance parameter count), time (balance measured time) or module names per stage, stages split by |: "
+        "'tok_emb,pos_emb,blocks.0..1|blocks.2..3,ln_f,head'",
     )
     stages_per_rank: int = opt(2, "interleaved1f1b only: model stages each pipeline rank holds")
     timeout_s: int = opt(1800, "seconds a collective may wait before the run fails")

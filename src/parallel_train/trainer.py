@@ -82,7 +82,7 @@ def peak_memory_mb(device: torch.device) -> dict[str, float]:
 
 
 def fmt(value: float | None) -> str:
-    return "not measured (eval.interval=0)" if value is None else f"{value:.4f}"
+    return "n/a" if value is None else f"{value:.4f}"  # None: not measured yet (no log or eval step so far)
 
 
 def run(cfg: Config, config_path: str | None) -> int:
@@ -223,7 +223,7 @@ def run(cfg: Config, config_path: str | None) -> int:
                 state["best_val_loss"] = val_loss
             metrics.log({"kind": "eval", "step": done, **state["final_val_metrics"]})
             others = "".join(f", val {name} {value:.4f}" for name, value in val.items() if name != "loss")
-            say(f"step {done}: train loss {state['final_train_loss']:.4f}, val loss {val_loss:.4f}{others}")
+            say(f"step {done}: train loss {fmt(state['final_train_loss'])}, val loss {val_loss:.4f}{others}")
         if due(done, cfg.checkpoint.interval) or (stop and done < cfg.train.max_steps):
             save_checkpoint(done)
         paused += time.perf_counter() - t_pause

@@ -30,6 +30,7 @@ from parallel_train.config import Config
 from parallel_train.errors import UserError
 from parallel_train.losses import loss_fn
 from parallel_train.metrics import add_stats, metric_stats, metric_values
+from parallel_train.pipeline.cost import measure_units
 from parallel_train.pipeline.split import describe_stages, plan_stages, stage_module
 from parallel_train.pipeline.timeline import Recorder, write_report
 
@@ -95,7 +96,8 @@ class MultiProcessPipelineEngine:
             accelerator.print("notice: train.compile is not applied to pipeline stages; training uncompiled")
         self._flops = model.flops_per_token() if hasattr(model, "flops_per_token") else None
         self.canonical_keys = list(model.state_dict().keys())
-        plan = plan_stages(model, S * V, p.split)
+        measure = measure_units(model, val_loader, self.device)
+        plan = plan_stages(model, S * V, p.split, measure)
         self.stage_ids = [self.pp_rank + k * S for k in range(V)]  # looped placement, as the schedules expect
         # One view holding all this rank's parts (names, optimizer, checkpoints) and one per stage (execution).
         self.local = stage_module(model, [n for i in self.stage_ids for n in plan[i]]).to(self.device)
@@ -124,7 +126,7 @@ class MultiProcessPipelineEngine:
             f"{D} data-parallel replica{'s' if D > 1 else ''}"
         )
         places = [f"rank {i % S}" for i in range(S * V)]
-        accelerator.print(f"[parallel_train] pipeline split: {describe_stages(model, plan, places)}")
+        accelerator.print(f"[parallel_train] pipeline split: {describe_stages(model, plan, places, measure.seconds)}")
 
     def _make_schedule(self, n_microbatches: int, name: str, timed: bool = False, loss: bool = True):
         """Stages over this rank's modules and the named schedule. Stages learn the activation shapes at

@@ -25,6 +25,7 @@ from parallel_train.config import Config
 from parallel_train.engine import DataParallelEngine
 from parallel_train.errors import UserError
 from parallel_train.losses import loss_fn
+from parallel_train.pipeline.cost import measure_units
 from parallel_train.pipeline.split import describe_stages, model_units, plan_stages
 from parallel_train.pipeline.timeline import Recorder, write_report
 
@@ -205,7 +206,8 @@ class InProcessPipelineEngine(DataParallelEngine):
                 "use at most one micro-batch per sample"
             )
         devices = resolve_devices(p.stage_devices, accelerator.local_process_index)
-        stages = plan_stages(model, len(devices), p.split)
+        measure = measure_units(model, val_loader, devices[0])
+        stages = plan_stages(model, len(devices), p.split, measure)
         self.cfg, self.accelerator, self.base, self.stages = cfg, accelerator, model, stages
         self.loss_fn = loss_fn  # what DataParallelEngine.__init__ would set (train_step is inherited)
         self.update_allowed = lambda loss, grad_norm: True  # the trainer installs its guard here
@@ -231,7 +233,7 @@ class InProcessPipelineEngine(DataParallelEngine):
             f"GPipe fill-drain over {p.microbatches} micro-batches"
             + (f", x {accelerator.num_processes} DDP replicas" if accelerator.num_processes > 1 else "")
         )
-        accelerator.print(f"[parallel_train] pipeline split: {describe_stages(model, stages, devices)}")
+        accelerator.print(f"[parallel_train] pipeline split: {describe_stages(model, stages, devices, measure.seconds)}")
 
     @property
     def unwrapped(self) -> nn.Module:

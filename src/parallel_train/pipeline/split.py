@@ -11,7 +11,8 @@ The model contract (GPT and the seed MLP follow it; so can any model written as 
 A split spec names the units of each stage, stages separated by `|`, units by `,`, with ranges of
 blocks written `blocks.0..3`:  `tok_emb,pos_emb,drop,blocks.0..1 | blocks.2..3,ln_f,head`.
 Units without parameters (dropout, activations) may be left out: they join the stage of the unit
-before them. `auto` balances the parameter count over the stages (contiguous cuts, smallest maximum).
+before them. `auto` balances the parameter count over the stages (contiguous cuts, smallest maximum);
+`time` balances the measured forward + backward time of each unit instead (cost.py).
 Parameter names never change, so checkpoints stay those of the unsplit model.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Callable
 
 from torch import nn
 
@@ -65,7 +67,7 @@ def _short_list(names: list[str]) -> str:
     out: list[str] = []
     for name in names:
         m = re.fullmatch(r"(.+)\.(\d+)", name)
-        prev = re.fullmatch(r"(.+)\.(\d+)(?:\.\.(\d+))?", out[-1]) if out else None
+        prev = re.fullmatch(r"(.+?)\.(\d+)(?:\.\.(\d+))?", out[-1]) if out else None  # lazy: `blocks.0..1` is blocks, 0, 1
         if m and prev and prev.group(1) == m.group(1) and int(prev.group(3) or prev.group(2)) + 1 == int(m.group(2)):
             out[-1] = f"{m.group(1)}.{prev.group(2)}..{m.group(2)}"
         else:
@@ -73,11 +75,17 @@ def _short_list(names: list[str]) -> str:
     return ", ".join(out)
 
 
-def describe_stages(model: nn.Module, stages: list[list[str]], places: list) -> str:
-    """`stage 0 on cpu: tok_emb, pos_emb, drop, blocks.0..1 (0.41M params) | stage 1 ...` for the start banner."""
+def describe_stages(model: nn.Module, stages: list[list[str]], places: list, seconds: dict[str, float] | None = None) -> str:
+    """`stage 0 on cpu: tok_emb, pos_emb, drop, blocks.0..1 (0.41M params) | stage 1 ...` for the start banner;
+    with the measured unit times of split=time, each stage's share of the time too."""
     units = model_units(model)
+    total = sum(seconds.values()) if seconds else 0.0
+
+    def share(names: list[str]) -> str:
+        return f", {100 * sum(seconds[n] for n in names) / total:.0f}% of the measured time" if total else ""
+
     return " | ".join(
-        f"stage {s} on {place}: {_short_list(names)} ({sum(n_params(units[n]) for n in names) / 1e6:.2f}M params)"
+        f"stage {s} on {place}: {_short_list(names)} ({sum(n_params(units[n]) for n in names) / 1e6:.2f}M params{share(names)})"
         for s, (names, place) in enumerate(zip(stages, places, strict=True))
     )
 
@@ -139,7 +147,7 @@ def _complete(model: nn.Module, stages: list[list[str]], units: dict[str, nn.Mod
     return [sorted((n for n in units if owner[n] == s), key=order.get) for s in range(len(stages))]
 
 
-def balance(weights: list[int], n_stages: int) -> list[int]:
+def balance(weights: list[float], n_stages: int) -> list[int]:
     """Cut points of the contiguous partition of `weights` into n_stages parts with the smallest largest part."""
     n = len(weights)
     prefix = [0]
@@ -163,17 +171,26 @@ def balance(weights: list[int], n_stages: int) -> list[int]:
     return sorted(cuts)[:-1]
 
 
-def plan_stages(model: nn.Module, n_stages: int, spec: str = "auto") -> list[list[str]]:
-    """The unit names of each stage, from an explicit spec or balanced by parameter count."""
+def plan_stages(
+    model: nn.Module, n_stages: int, spec: str = "auto", unit_times: Callable[[list[str]], list[float]] | None = None
+) -> list[list[str]]:
+    """The unit names of each stage: from an explicit spec, balanced by parameter count (`auto`), or balanced by
+    measured time (`time`: `unit_times(names)` gives each unit's seconds, see cost.py)."""
     units = model_units(model)
     bundles = _bundles(model, units)
-    if spec.strip() in ("", "auto"):
+    if spec.strip() in ("", "auto", "time"):
         if n_stages > len(bundles):
             raise UserError(
                 f"parallel.pipeline_stages={n_stages}: this model has only {len(bundles)} parts to split "
                 f"({' | '.join(_short_list(b) for b in bundles)}); use at most {len(bundles)} stages or a deeper model"
             )
-        cuts = balance([sum(n_params(units[n]) for n in b) for b in bundles], n_stages)
+        if spec.strip() == "time":
+            assert unit_times is not None, "split=time needs the measured unit times"
+            seconds = dict(zip(units, unit_times(list(units)), strict=True))
+            weights = [sum(seconds[n] for n in b) for b in bundles]
+        else:
+            weights = [sum(n_params(units[n]) for n in b) for b in bundles]
+        cuts = balance(weights, n_stages)
         bounds = [0, *cuts, len(bundles)]
         return [[n for b in bundles[bounds[s] : bounds[s + 1]] for n in b] for s in range(n_stages)]
     stages = parse_spec(spec, units)
