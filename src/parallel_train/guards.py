@@ -79,8 +79,11 @@ class StopSignals:
         return signal.Signals(self.received).name if self.received is not None else None
 
 
-def _all_reduce(t: torch.Tensor, op) -> torch.Tensor:
+def all_reduce_small(t: torch.Tensor, op, device: torch.device | str) -> torch.Tensor:
+    """All-reduce a few numbers across ranks (nothing to do in one process): on `device` under NCCL (which
+    cannot reduce CPU tensors), on the CPU under gloo."""
     if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        t = t.to(device if torch.distributed.get_backend() == "nccl" else "cpu")
         torch.distributed.all_reduce(t, op=op)
     return t
 
@@ -91,7 +94,6 @@ class RunGuard:
     def __init__(self, accelerator, max_skipped: int, timeout_s: int, skipped_so_far: int = 0):
         self.accelerator, self.device = accelerator, accelerator.device
         self.max_skipped, self.skipped = max_skipped, skipped_so_far
-        self.every = AGREE_EVERY
         self.signals = StopSignals()
         self.step = 0
         self._bad: list[tuple[int, torch.Tensor]] = []  # (step, device bool) since the last agreement
@@ -112,7 +114,7 @@ class RunGuard:
             return True
         # Skipping needs the verdict before the update: one all-reduce and host sync per step (the price
         # of train.max_skipped_steps > 0, documented there). MAX: if any rank saw it, every rank skips.
-        if not int(_all_reduce(bad.to(torch.int32).reshape(1), torch.distributed.ReduceOp.MAX).item()):
+        if not int(all_reduce_small(bad.to(torch.int32).reshape(1), torch.distributed.ReduceOp.MAX, self.device).item()):
             return True
         self.skipped += 1
         if self.skipped > self.max_skipped:
@@ -128,11 +130,11 @@ class RunGuard:
         return False
 
     def end_step(self, step: int, loss: torch.Tensor, force: bool = False) -> str | None:
-        """Agree with the other ranks (every `self.every` steps, or when forced): raises on a non-finite step,
+        """Agree with the other ranks (every AGREE_EVERY steps, or when forced): raises on a non-finite step,
         returns the stop signal's name when any rank received one, else None. Every rank calls it every step."""
         if self.max_skipped == 0 and (not self._bad or self._bad[-1][0] != step):
             self._bad.append((step, ~torch.isfinite(loss.detach())))  # an engine that does not call update_allowed
-        if not force and step % self.every:
+        if not force and step % AGREE_EVERY:
             return None
         first_bad = NO_BAD_STEP
         if self._bad:
@@ -142,10 +144,8 @@ class RunGuard:
             self._bad.clear()
         got_signal = self.signals.received or 0  # the signal's number, so every rank can name it
         # One all-reduce: MAX of (signal, -first_bad) = (a signal any rank got, -(earliest bad step on any rank)).
-        # A CPU tensor under gloo; the device under NCCL (which cannot reduce CPU tensors).
-        device = self.device if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl" else "cpu"
-        agreed = _all_reduce(
-            torch.tensor([got_signal, -first_bad], dtype=torch.int64, device=device), torch.distributed.ReduceOp.MAX
+        agreed = all_reduce_small(
+            torch.tensor([got_signal, -first_bad], dtype=torch.int64), torch.distributed.ReduceOp.MAX, self.device
         ).tolist()
         if -agreed[1] != NO_BAD_STEP:
             raise UserError(
@@ -167,8 +167,7 @@ def check_finite_weights(engine, step: int) -> None:
         if not bool(torch.isfinite(local.detach()).all()):
             bad.fill_(1)
             break
-    device = engine.accelerator.device if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl" else "cpu"
-    if _all_reduce(bad.to(device), torch.distributed.ReduceOp.MAX).item():
+    if all_reduce_small(bad, torch.distributed.ReduceOp.MAX, engine.accelerator.device).item():
         raise UserError(
             f"the model weights are non-finite (NaN or inf) at step {step}: not writing them; "
             "lower train.learning_rate or check the data, then resume=auto from the last checkpoint"

@@ -58,10 +58,14 @@ def metric_stats(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch
     return {name: m.stats(logits, targets).to(torch.float64) for name, m in METRICS.items()}
 
 
+def add_totals(a: dict[str, torch.Tensor] | None, b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Two sets of summed statistics added up (`a` None: nothing summed yet)."""
+    return b if a is None else {name: a[name] + b[name] for name in b}
+
+
 def add_stats(totals: dict[str, torch.Tensor] | None, stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Running sums over samples: totals + the column sums of one batch's statistics."""
-    batch = {name: s.sum(dim=0) for name, s in stats.items()}
-    return batch if totals is None else {name: totals[name] + batch[name] for name in batch}
+    return add_totals(totals, {name: s.sum(dim=0) for name, s in stats.items()})
 
 
 def metric_values(totals: dict[str, torch.Tensor]) -> dict[str, float]:

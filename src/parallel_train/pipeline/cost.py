@@ -23,6 +23,7 @@ import time
 import torch
 from torch import nn
 
+from parallel_train.guards import all_reduce_small
 from parallel_train.losses import loss_fn
 
 WARMUP, REPEATS = 1, 3
@@ -88,12 +89,7 @@ def unit_times(model: nn.Module, units: list[str], x: torch.Tensor, y: torch.Ten
 def agreed_unit_times(model: nn.Module, units: list[str], x: torch.Tensor, y: torch.Tensor, device: torch.device) -> list[float]:
     """unit_times summed over all ranks (a collective when a process group runs): every rank gets the same list."""
     times = torch.tensor(unit_times(model, units, x, y, device), dtype=torch.float64)
-    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        backend = torch.distributed.get_backend()
-        on = device if backend == "nccl" else torch.device("cpu")
-        times = times.to(on)
-        torch.distributed.all_reduce(times)
-    return times.cpu().tolist()
+    return all_reduce_small(times, torch.distributed.ReduceOp.SUM, device).cpu().tolist()
 
 
 def measure_units(model: nn.Module, val_loader, device: torch.device):

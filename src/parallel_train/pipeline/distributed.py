@@ -29,7 +29,7 @@ from parallel_train.checkpoint import load_optimizer_by_name, optimizer_state_by
 from parallel_train.config import Config
 from parallel_train.errors import UserError
 from parallel_train.losses import loss_fn
-from parallel_train.metrics import add_stats, metric_stats, metric_values
+from parallel_train.metrics import add_stats, add_totals, metric_stats, metric_values
 from parallel_train.pipeline.cost import measure_units
 from parallel_train.pipeline.split import describe_stages, plan_stages, stage_module
 from parallel_train.pipeline.timeline import Recorder, write_report
@@ -246,7 +246,7 @@ class MultiProcessPipelineEngine:
         dist.all_gather_object(parts, {k: v.cpu() for k, v in totals.items()} if totals is not None else None)
         summed = None
         for part in filter(None, parts):
-            summed = part if summed is None else {k: summed[k] + part[k] for k in part}
+            summed = add_totals(summed, part)
         return metric_values(summed)
 
     # ---- state: canonical names, gathered on rank 0 from replica 0's stages
