@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from parallel_train.batch_sampler import GlobalBatchSampler  # noqa: E402
 from parallel_train.config import load_config  # noqa: E402
-from parallel_train.data import GlobalBatchSampler  # noqa: E402
 from parallel_train.models.gpt import GPT  # noqa: E402
 from parallel_train.optim import build_optimizer, lr_at  # noqa: E402
 from parallel_train.perf import keep_freed_host_memory  # noqa: E402

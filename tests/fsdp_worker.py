@@ -23,10 +23,13 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 from parallel_train.checkpoint import load_optimizer_by_name, optimizer_state_by_name  # noqa: E402
-from parallel_train.config import ModelConfig  # noqa: E402
+from parallel_train.dtensor_state import is_sharded, load_full_state_dict, to_full  # noqa: E402
 from parallel_train.losses import loss_fn  # noqa: E402
-from parallel_train.models.gpt import GPT, Block  # noqa: E402
-from parallel_train.sharding import is_sharded, load_full_state_dict, to_full  # noqa: E402
+from parallel_train.models.gpt import (  # noqa: E402
+    GPT,
+    Block,
+    GPTConfig,  # noqa: E402
+)
 
 VOCAB, T, B = 17, 8, 4  # B rows per rank; the reference sees both ranks' rows
 # A large eps: the attention key bias gets a zero gradient (softmax ignores it), and with a tiny eps Adam would
@@ -36,7 +39,7 @@ ADAM = {"lr": 1e-2, "eps": 1e-3}
 
 def build(seed: int) -> GPT:
     torch.manual_seed(seed)
-    return GPT(ModelConfig(n_layer=2, n_head=2, n_embd=16, block_size=T, dropout=0.0), VOCAB)
+    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=T, dropout=0.0), VOCAB)
 
 
 def shard(model: GPT, mesh) -> GPT:

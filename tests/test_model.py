@@ -5,14 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel_train.config import ModelConfig
 from parallel_train.losses import loss_fn, per_sample_loss
 from parallel_train.models import build_model
+from parallel_train.models.gpt import GPTConfig
+from parallel_train.models.mlp import MLPConfig
 
 
 def tiny_gpt(**kw) -> torch.nn.Module:
     torch.manual_seed(0)
-    return build_model(ModelConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, **kw), vocab_size=11)
+    return build_model(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, **kw), vocab_size=11)
 
 
 def test_gpt_shapes_and_names():
@@ -46,14 +47,14 @@ def test_gpt_runs_as_two_stages_with_parts_removed():
 
 
 def test_seed_mlp():
-    model = build_model(ModelConfig(name="mlp"), vocab_size=0)
+    model = build_model(MLPConfig(name="mlp"), vocab_size=0)
     assert [n for n, _ in model.named_children()] == ["fc1", "act", "fc2"]
     assert model(torch.randn(64, 10)).shape == (64, 10)
     assert sum(p.numel() for p in model.parameters()) == 10 * 50 + 50 + 50 * 10 + 10
 
 
 def test_metrics_are_ratios_of_sums_over_samples_and_skip_padding():
-    from parallel_train.metrics import add_stats, metric_stats, metric_values
+    from parallel_train.eval_metrics import add_stats, metric_stats, metric_values
 
     logits = torch.tensor([[[5.0, 0.0], [0.0, 5.0], [5.0, 0.0]], [[0.0, 5.0], [0.0, 5.0], [5.0, 0.0]]])  # (B=2, T=3, V=2)
     targets = torch.tensor([[0, 0, -100], [1, 1, 1]])  # sample 0: 1 of 2 real targets right; sample 1: 2 of 3

@@ -13,10 +13,11 @@ import torch
 
 from helpers import PYTHON, REPO, TINY, check, launch_env, read_metrics, run, summary, train_cmd
 from parallel_train.config import Config, load_config
-from parallel_train.data import ByteVocab, CharVocab, build_datasets, load_vocab
+from parallel_train.data import build_datasets
 from parallel_train.errors import UserError
 from parallel_train.models.gpt import GPT
 from parallel_train.perf import mfu, peak_flops, process_age_s
+from parallel_train.tokenization import ByteVocab, CharVocab, load_vocab
 
 
 def test_speed_config_keys_parse_and_validate():

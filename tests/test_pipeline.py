@@ -16,9 +16,11 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import TINY, check, launch_env, run, summary, torchrun_cmd, train_cmd, train_losses
-from parallel_train.config import Config, ModelConfig
+from parallel_train.config import Config
 from parallel_train.errors import UserError
 from parallel_train.models import build_model
+from parallel_train.models.gpt import GPTConfig
+from parallel_train.models.mlp import MLPConfig
 from parallel_train.pipeline.distributed import check_layout
 from parallel_train.pipeline.inprocess import resolve_devices
 from parallel_train.pipeline.split import balance, describe_stages, model_units, plan_stages, stage_module
@@ -34,7 +36,7 @@ ADAM = (*TINY, "train.gradient_accumulation_steps=2", "train.learning_rate=1e-2"
 
 def tiny_gpt(n_layer: int = 4) -> torch.nn.Module:
     torch.manual_seed(0)
-    return build_model(ModelConfig(n_layer=n_layer, n_head=2, n_embd=32, block_size=16), 65)
+    return build_model(GPTConfig(n_layer=n_layer, n_head=2, n_embd=32, block_size=16), 65)
 
 
 # ---------------------------------------------------------------- the splitter (no launch)
@@ -61,7 +63,7 @@ def test_time_split_balances_measured_time_not_parameters():
     from parallel_train.pipeline.cost import unit_times
 
     torch.manual_seed(0)
-    model = build_model(ModelConfig(n_layer=4, n_head=2, n_embd=32, block_size=16), 50_000)
+    model = build_model(GPTConfig(n_layer=4, n_head=2, n_embd=32, block_size=16), 50_000)
     units = list(model_units(model))
     x = torch.randint(0, 50_000, (4, 16))
     seconds = dict(zip(units, unit_times(model, units, x, x, torch.device("cpu")), strict=True))
@@ -111,7 +113,7 @@ def test_bad_layouts_and_devices_are_one_line_errors():
 @pytest.mark.parametrize("name", ["gpt", "mlp"])
 def test_stages_in_sequence_equal_the_whole_model(name):
     torch.manual_seed(0)
-    cfg = ModelConfig(name=name, n_layer=3, n_head=2, n_embd=32, block_size=16)
+    cfg = GPTConfig(n_layer=3, n_head=2, n_embd=32, block_size=16) if name == "gpt" else MLPConfig(name="mlp")
     model = build_model(cfg, 65).eval()
     x = torch.randint(0, 65, (2, 16)) if name == "gpt" else torch.randn(2, cfg.in_features)
     stages = plan_stages(model, 2)

@@ -107,22 +107,21 @@ def test_fsdp_yaml_is_fsdp2_wrapping_every_gpt_block():
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
     from accelerate.utils.launch import prepare_multi_gpu_env
 
-    from parallel_train.config import ModelConfig
-    from parallel_train.models.gpt import GPT, Block
+    from parallel_train.models.gpt import GPT, Block, GPTConfig
 
     env = prepare_multi_gpu_env(launch_args("fsdp"))
     with patch_environment(**{k: v for k, v in env.items() if k.startswith(("FSDP_", "ACCELERATE_"))}):
         plugin = FullyShardedDataParallelPlugin()
     assert plugin.fsdp_version == 2 and plugin.state_dict_type.name == "SHARDED_STATE_DICT"
-    model = GPT(ModelConfig(n_layer=3, n_head=2, n_embd=16, block_size=8), vocab_size=11)
+    model = GPT(GPTConfig(n_layer=3, n_head=2, n_embd=16, block_size=8), vocab_size=11)
     policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
     wrapped = [name for name, module in model.named_modules() if policy(module)]
     assert wrapped == ["blocks.0", "blocks.1", "blocks.2"] and all(isinstance(model.get_submodule(n), Block) for n in wrapped)
 
 
 def test_more_processes_than_gpus_is_refused_with_the_fix():
+    from parallel_train.accelerator_setup import check_gpus_per_node
     from parallel_train.errors import UserError
-    from parallel_train.launch import check_gpus_per_node
 
     check_gpus_per_node(4, 4)
     with pytest.raises(UserError, match=r"8 processes were started on this node but it has 4 GPU\(s\).*--num_processes 4 train.py"):

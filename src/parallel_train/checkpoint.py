@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from parallel_train.dtensor_state import is_sharded, shard_like, to_full
 from parallel_train.errors import UserError
-from parallel_train.sharding import is_sharded, shard_like, to_full
 
 PREFIX = "step_"
 MANIFEST = "manifest.json"

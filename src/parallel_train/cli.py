@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from parallel_train.config import help_text, load_config
+from parallel_train.data_sources import check_source
 from parallel_train.messages import quiet_third_party
 
 
@@ -15,6 +16,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     quiet_third_party()
     cfg, config_path = load_config(argv)
-    from parallel_train.trainer import run  # after validation: bad input fails before torch loads
+    check_source(cfg)  # the data registry: a config file cannot know which sources a clone added
+    from parallel_train.trainer import run  # not at the top: its imports (accelerate, ...) cost seconds that bad input need not wait
 
     return run(cfg, config_path)

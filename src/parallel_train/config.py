@@ -8,43 +8,20 @@ one-line `UserError` that names the offending key.
 from __future__ import annotations
 
 import dataclasses
-import math
-import types
-import typing
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from parallel_train.errors import UserError
+from parallel_train.config_fields import check, check_section, coerce, fields_of, hints, opt, type_name
+from parallel_train.errors import UserError, is_first_process
+from parallel_train.model_config import ModelConfig
+from parallel_train.models import MODELS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CORPUS = REPO_ROOT / "data" / "tinyshakespeare.txt"
-
-
-def opt(default: Any, help: str, choices: tuple | None = None) -> Any:
-    """A config field with its help text (and allowed values, if the set is closed)."""
-    meta = {"help": help, "choices": choices}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-@dataclass
-class ModelConfig:
-    name: str = opt("gpt", "model to build (see parallel_train/models/__init__.py)")
-    n_layer: int = opt(4, "transformer blocks")
-    n_head: int = opt(4, "attention heads per block")
-    n_embd: int = opt(128, "embedding width (divisible by n_head)")
-    block_size: int = opt(64, "context length in tokens")
-    dropout: float = opt(0.0, "dropout probability in [0, 1)")
-    bias: bool = opt(True, "bias in Linear and LayerNorm layers")
-    vocab_size: int = opt(0, "0: take it from the data; else pad the vocab up to this size")
-    activation_checkpointing: bool = opt(False, "recompute each block's activations in backward: less memory, about 1/3 more compute")
-    in_features: int = opt(10, "mlp only: input width")
-    hidden: int = opt(50, "mlp only: hidden width")
-    out_features: int = opt(10, "mlp only: number of classes")
 
 
 @dataclass
@@ -58,53 +35,54 @@ class DataConfig:
     )
     source: str = opt("text", "data loader (see parallel_train/data_sources.py): text reads data.path; add your own there")
     text_column: str = opt("text", "column holding the text in json/csv/parquet/Hub datasets")
-    val_fraction: float = opt(0.1, "share of the corpus held out for validation (the last part)")
-    num_samples: int = opt(64, "random data: number of samples; synthetic data: tokens in the train split")
-    num_workers: int = opt(0, "DataLoader worker processes per rank (0: load in the training process)")
+    val_fraction: float = opt(0.1, "share of the corpus held out for validation (the last part)", above=0.0, below=1.0)
+    num_samples: int = opt(64, "random data: number of samples; synthetic data: tokens in the train split", min=1)
+    num_workers: int = opt(0, "DataLoader worker processes per rank (0: load in the training process)", min=0, max=1024)
 
 
 @dataclass
 class TrainConfig:
-    batch_size: int = opt(12, "samples per process per micro-step")
-    gradient_accumulation_steps: int = opt(1, "micro-steps per optimizer step")
-    max_steps: int = opt(2000, "optimizer steps to train for")
+    batch_size: int = opt(12, "samples per process per micro-step", min=1)
+    gradient_accumulation_steps: int = opt(1, "micro-steps per optimizer step", min=1)
+    max_steps: int = opt(2000, "optimizer steps to train for", min=1)
     optimizer: str = opt("adamw", "optimizer", choices=("adamw", "sgd"))
-    learning_rate: float = opt(1e-3, "peak learning rate")
-    min_lr: float = opt(1e-4, "learning rate at the end of the cosine decay")
+    learning_rate: float = opt(1e-3, "peak learning rate", above=0.0)
+    min_lr: float = opt(1e-4, "learning rate at the end of the cosine decay", min=0.0)
     lr_schedule: str = opt("cosine", "learning-rate schedule", choices=("cosine", "constant"))
-    warmup_steps: int = opt(100, "linear warm-up steps")
-    lr_decay_steps: int = opt(2000, "step at which the cosine decay reaches min_lr")
-    weight_decay: float = opt(0.1, "AdamW weight decay (matrices only; biases, norms stay undecayed)")
-    beta1: float = opt(0.9, "AdamW beta1")
-    beta2: float = opt(0.99, "AdamW beta2")
-    grad_clip: float = opt(1.0, "clip the global gradient norm to this value (0 disables)")
-    seed: int = opt(1337, "seed for weights, data order and dropout")
-    log_interval: int = opt(10, "optimizer steps between train log lines")
+    warmup_steps: int = opt(100, "linear warm-up steps", min=0)
+    lr_decay_steps: int = opt(2000, "step at which the cosine decay reaches min_lr", min=0)
+    weight_decay: float = opt(0.1, "AdamW weight decay (matrices only; biases, norms stay undecayed)", min=0.0)
+    beta1: float = opt(0.9, "AdamW beta1", min=0.0, below=1.0)
+    beta2: float = opt(0.99, "AdamW beta2", min=0.0, below=1.0)
+    grad_clip: float = opt(1.0, "clip the global gradient norm to this value (0 disables)", min=0.0)
+    # The data order's generator is seeded with seed * 100_003 + epoch (batch_sampler.py): it must fit in 64 bits.
+    seed: int = opt(1337, "seed for weights, data order and dropout", min=0, max=2**32 - 1)
+    log_interval: int = opt(10, "optimizer steps between train log lines", min=1)
     mixed_precision: str = opt("auto", "auto: take it from the accelerate config/launcher", choices=("auto", "no", "bf16", "fp16"))
-    max_skipped_steps: int = opt(0, "0: stop at a non-finite loss/gradient; N: skip up to N such steps (costs a sync per step)")
+    max_skipped_steps: int = opt(0, "0: stop at a non-finite loss/gradient; N: skip up to N such steps (costs a sync per step)", min=0)
     compile: bool = opt(False, "torch.compile the model (first steps compile, about 30 s; no gain measured on CPU)")
     tf32: bool = opt(True, "GPU only: TF32 tensor cores for fp32 matmuls and convolutions")
-    peak_tflops: float = opt(0.0, "peak TFLOP/s of one device for MFU; 0: from the known-GPU table (env PEAK_TFLOPS also sets it)")
+    peak_tflops: float = opt(0.0, "peak TFLOP/s of one device for MFU; 0: from the known-GPU table (env PEAK_TFLOPS also sets it)", min=0.0)
 
 
 @dataclass
 class EvalConfig:
-    interval: int = opt(250, "optimizer steps between evaluations (0: only at the end)")
-    iters: int = opt(200, "validation batches per evaluation (fixed windows, same at every eval)")
-    batch_size: int = opt(0, "samples per validation batch (0: train.batch_size); iters x batch_size = the eval set")
+    interval: int = opt(250, "optimizer steps between evaluations (0: only at the end)", min=0)
+    iters: int = opt(200, "validation batches per evaluation (fixed windows, same at every eval)", min=1)
+    batch_size: int = opt(0, "samples per validation batch (0: train.batch_size); iters x batch_size = the eval set", min=0)
 
 
 @dataclass
 class CheckpointConfig:
-    interval: int = opt(500, "optimizer steps between checkpoints (0: only at the end)")
-    keep: int = opt(2, "newest checkpoints to keep")
+    interval: int = opt(500, "optimizer steps between checkpoints (0: only at the end)", min=0)
+    keep: int = opt(2, "newest checkpoints to keep", min=1)
     keep_best: bool = opt(False, "also keep the checkpoint with the lowest val loss (one evaluated at its step)")
 
 
 @dataclass
 class ParallelConfig:
-    pipeline_stages: int = opt(1, "pipeline stages the model is cut into (1: no pipeline)")
-    microbatches: int = opt(1, "micro-batches per batch in the pipeline")
+    pipeline_stages: int = opt(1, "pipeline stages the model is cut into (1: no pipeline)", min=1)
+    microbatches: int = opt(1, "micro-batches per batch in the pipeline", min=1)
     schedule: str = opt("gpipe", "pipeline schedule", choices=("gpipe", "1f1b", "interleaved1f1b"))
     stage_devices: list[str] = opt([], "devices of the stages in one process, e.g. [cuda:0,cuda:1]")
     split: str = opt(
@@ -112,13 +90,14 @@ class ParallelConfig:
         "auto (balance parameter count), time (balance measured time) or module names per stage, stages split by |: "
         "'tok_emb,pos_emb,blocks.0..1|blocks.2..3,ln_f,head'",
     )
-    stages_per_rank: int = opt(2, "interleaved1f1b only: model stages each pipeline rank holds")
-    timeout_s: int = opt(1800, "seconds a collective may wait before the run fails")
+    stages_per_rank: int = opt(2, "interleaved1f1b only: model stages each pipeline rank holds", min=1)
+    # datetime.timedelta and the collectives' C++ millisecond timeouts accept this much.
+    timeout_s: int = opt(1800, "seconds a collective may wait before the run fails", min=1, max=10**8)
 
 
 @dataclass
 class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelConfig = field(default_factory=lambda: MODELS["gpt"].Config())  # the chosen model's class
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -135,79 +114,52 @@ class Config:
 # ---------------------------------------------------------------- parsing
 
 
-def _fields(obj: Any) -> dict[str, dataclasses.Field]:
-    return {f.name: f for f in dataclasses.fields(obj)}
+def model_class(name: str) -> type[ModelConfig]:
+    check(name in MODELS, f"model.name: unknown model {name!r}; known: {', '.join(sorted(MODELS))}")
+    return MODELS[name].Config
 
 
-def _type_name(tp: Any) -> str:
-    if typing.get_origin(tp):  # list[str] says what goes in the list; its __name__ would say only "list"
-        return str(tp).replace("typing.", "")
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+def other_models_key(key: str) -> str | None:
+    """The model whose own key `key` is (for `model.<key>` given while another model is chosen), if any."""
+    return next((name for name, cls in MODELS.items() if key in fields_of(cls.Config)), None)
 
 
-def _coerce(key: str, value: Any, tp: Any) -> Any:
-    """Convert a YAML/command-line value to the field's type, or raise a UserError naming the key."""
-    origin = typing.get_origin(tp)
-    if origin in (list, types.GenericAlias) or tp is list:
-        if isinstance(value, str):  # `key=cpu` or `key=a,b` on the command line
-            value = [v for v in value.split(",") if v] if value else []
-        if not isinstance(value, list):
-            raise UserError(f"{key}: expected a list like [a,b], got {value!r}")
-        return [str(v) for v in value]
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-        raise UserError(f"{key}: expected true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, (int, str, float)):
-            raise UserError(f"{key}: expected an integer, got {value!r}")
-        try:
-            as_float = float(value)
-        except ValueError:
-            raise UserError(f"{key}: expected an integer, got {value!r}") from None
-        if not math.isfinite(as_float) or as_float != int(as_float):
-            raise UserError(f"{key}: expected an integer, got {value!r}")
-        return int(as_float)
-    if tp is float:
-        if isinstance(value, bool):
-            raise UserError(f"{key}: expected a number, got {value!r}")
-        try:
-            return float(value)  # also takes "1e-3", which YAML 1.1 reads as a string
-        except (TypeError, ValueError):
-            raise UserError(f"{key}: expected a number, got {value!r}") from None
-    if tp is str:
-        if isinstance(value, (dict, list)):
-            raise UserError(f"{key}: expected a string, got {value!r}")
-        if isinstance(value, bool):  # YAML 1.1 reads no/yes/off/on as booleans: `mixed_precision=no` means "no"
-            return "yes" if value else "no"
-        return "none" if value is None else str(value)
-    raise AssertionError(f"unsupported config type {tp}")  # a bug in this file, not user input
-
-
-def _set(cfg: Config, key: str, value: Any) -> None:
+def _set(cfg: Config, key: str, value: Any, ignored: list[str] | None = None) -> None:
     parts = key.split(".")
+    if parts[0] == "model" and len(parts) == 2 and parts[1] not in fields_of(cfg.model):
+        owner = other_models_key(parts[1])
+        if owner is not None and ignored is not None:  # e.g. model.n_embd for the MLP: not its key, harmless
+            ignored.append(f"{key} (a key of model.name={owner})")
+            return
+        if owner is not None:  # a saved config from before models owned their keys held every model's keys
+            return
     node: Any = cfg
     for i, part in enumerate(parts):
-        fields = _fields(node)
+        fields = fields_of(node)
         if part not in fields:
             where = ".".join(parts[:i]) or "the top level"
+            if where == "model":
+                where = f"model.name={cfg.model.name}"
             raise UserError(f"unknown config key '{key}': {where} has {', '.join(sorted(fields))}")
         if i == len(parts) - 1:
             if dataclasses.is_dataclass(getattr(node, part)):
                 raise UserError(
-                    f"config key '{key}' is a section; set one of its keys, e.g. {key}.{next(iter(_fields(getattr(node, part))))}=..."
+                    f"config key '{key}' is a section; set one of its keys, e.g. {key}.{next(iter(fields_of(getattr(node, part))))}=..."
                 )
-            setattr(node, part, _coerce(key, value, _hints(type(node))[part]))
+            setattr(node, part, coerce(key, value, hints(type(node))[part]))
         else:
             node = getattr(node, part)
             if not dataclasses.is_dataclass(node):
                 raise UserError(f"config key '{key}': '{'.'.join(parts[: i + 1])}' is not a section")
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+def _apply(settings: list[tuple[str, Any]], ignored: list[str] | None) -> Config:
+    """A Config from (key, value) settings in order. model.name goes first: it decides which keys model.* has."""
+    names = [value for key, value in settings if key == "model.name"]
+    cfg = Config(model=model_class(coerce("model.name", names[-1], str) if names else "gpt")())
+    for key, value in settings:
+        _set(cfg, key, value, ignored)
+    return cfg
 
 
 def _flatten(data: dict, prefix: str = "") -> dict[str, Any]:
@@ -268,88 +220,67 @@ def parse_args(argv: list[str]) -> tuple[str | None, list[tuple[str, Any]]]:
 def load_config(argv: list[str]) -> tuple[Config, str | None]:
     """Defaults <- YAML file <- overrides, validated. Returns the config and the YAML path used."""
     config_path, overrides = parse_args(argv)
-    cfg = Config()
-    if config_path:
-        for key, value in _flatten(_read_yaml(config_path)).items():
-            _set(cfg, key, value)
-    for key, value in overrides:
-        _set(cfg, key, value)
+    settings = list(_flatten(_read_yaml(config_path)).items()) if config_path else []
+    ignored: list[str] = []
+    cfg = _apply(settings + overrides, ignored)
     validate(cfg)
+    if ignored and is_first_process():
+        print(f"notice: ignoring {', '.join(ignored)}: not a key of model.name={cfg.model.name}", file=sys.stderr, flush=True)
     return cfg, config_path
 
 
 # ---------------------------------------------------------------- validation
 
 
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise UserError(message)
+def sections(cfg: Config) -> list[tuple[str, Any]]:
+    """(prefix, section) for the top level and every section: `("", cfg)`, `("model.", cfg.model)`, ..."""
+    return [("", cfg)] + [
+        (f.name + ".", getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if dataclasses.is_dataclass(getattr(cfg, f.name))
+    ]
 
 
 def validate(cfg: Config) -> None:
-    """Closed choices, ranges and cross-key rules. Each failure is one line naming the key."""
-    for section_name, section in [("", cfg)] + [
-        (f.name + ".", getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if dataclasses.is_dataclass(getattr(cfg, f.name))
-    ]:
-        for f in dataclasses.fields(section):
-            choices = f.metadata.get("choices")
-            if choices and getattr(section, f.name) not in choices:
-                raise UserError(f"{section_name}{f.name}: must be one of {', '.join(choices)}, got {getattr(section, f.name)!r}")
+    """Choices and ranges of every key (from the fields), the chosen model's own rules, then the rules between
+    sections. Each failure is one line naming the key."""
+    for prefix, section in sections(cfg):
+        check_section(section, prefix)
+    cfg.model.check()
 
-    m, t, d = cfg.model, cfg.train, cfg.data
-    from parallel_train.models import MODELS  # late import: the model registry imports torch
-
-    _check(m.name in MODELS, f"model.name: unknown model {m.name!r}; known: {', '.join(sorted(MODELS))}")
-    for key in ("n_layer", "n_head", "n_embd", "block_size", "in_features", "hidden", "out_features"):
-        _check(getattr(m, key) >= 1, f"model.{key}: must be >= 1, got {getattr(m, key)}")
-    _check(m.n_embd % m.n_head == 0, f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head})")
-    _check(0.0 <= m.dropout < 1.0, f"model.dropout: must be in [0, 1), got {m.dropout}")
-    _check(m.vocab_size >= 0, f"model.vocab_size: must be >= 0, got {m.vocab_size}")
-
-    _check(bool(d.path), "data.path: must not be empty")
-    from parallel_train.data_sources import DATA_SOURCES  # late: imports torch
-
-    _check(d.source in DATA_SOURCES, f"data.source: unknown data source {d.source!r}; known: {', '.join(sorted(DATA_SOURCES))}")
-    _check(0.0 < d.val_fraction < 1.0, f"data.val_fraction: must be in (0, 1), got {d.val_fraction}")
-    _check(d.num_samples >= 1, f"data.num_samples: must be >= 1, got {d.num_samples}")
-    _check(d.num_workers >= 0, f"data.num_workers: must be >= 0, got {d.num_workers}")
-
-    for key in ("batch_size", "gradient_accumulation_steps", "max_steps", "log_interval"):
-        _check(getattr(t, key) >= 1, f"train.{key}: must be >= 1, got {getattr(t, key)}")
-    for key in ("learning_rate", "min_lr", "weight_decay", "grad_clip", "peak_tflops"):
-        value = getattr(t, key)
-        _check(math.isfinite(value) and value >= 0, f"train.{key}: must be a finite number >= 0, got {value}")
-    _check(t.learning_rate > 0, "train.learning_rate: must be > 0")
-    _check(t.min_lr <= t.learning_rate, f"train.min_lr ({t.min_lr}) must not exceed train.learning_rate ({t.learning_rate})")
-    for key in ("warmup_steps", "lr_decay_steps", "seed"):
-        _check(getattr(t, key) >= 0, f"train.{key}: must be >= 0, got {getattr(t, key)}")
-    for key in ("beta1", "beta2"):
-        _check(0.0 <= getattr(t, key) < 1.0, f"train.{key}: must be in [0, 1), got {getattr(t, key)}")
-
-    _check(cfg.eval.interval >= 0, f"eval.interval: must be >= 0, got {cfg.eval.interval}")
-    _check(cfg.eval.iters >= 1, f"eval.iters: must be >= 1, got {cfg.eval.iters}")
-    _check(cfg.eval.batch_size >= 0, f"eval.batch_size: must be >= 0, got {cfg.eval.batch_size}")
-    _check(cfg.checkpoint.interval >= 0, f"checkpoint.interval: must be >= 0, got {cfg.checkpoint.interval}")
-    _check(cfg.checkpoint.keep >= 1, f"checkpoint.keep: must be >= 1, got {cfg.checkpoint.keep}")
-    _check(t.max_skipped_steps >= 0, f"train.max_skipped_steps: must be >= 0, got {t.max_skipped_steps}")
-
-    p = cfg.parallel
-    _check(p.pipeline_stages >= 1, f"parallel.pipeline_stages: must be >= 1, got {p.pipeline_stages}")
-    _check(p.microbatches >= 1, f"parallel.microbatches: must be >= 1, got {p.microbatches}")
-    _check(p.stages_per_rank >= 1, f"parallel.stages_per_rank: must be >= 1, got {p.stages_per_rank}")
-    _check(p.timeout_s >= 1, f"parallel.timeout_s: must be >= 1, got {p.timeout_s}")
-    _check(
+    t, p = cfg.train, cfg.parallel
+    check(bool(cfg.data.path), "data.path: must not be empty")
+    check(t.min_lr <= t.learning_rate, f"train.min_lr ({t.min_lr}) must not exceed train.learning_rate ({t.learning_rate})")
+    check(
         not p.stage_devices or len(p.stage_devices) == p.pipeline_stages,
         f"parallel.stage_devices: {len(p.stage_devices)} devices given for {p.pipeline_stages} pipeline stages; give one per stage",
     )
-    _check(bool(cfg.output_dir), "output_dir: must not be empty")
+    check(bool(cfg.output_dir), "output_dir: must not be empty")
 
 
 # ---------------------------------------------------------------- help and saving
 
 
+def _key_lines(node: Any, prefix: str, skip: set[str] = frozenset()) -> list[str]:
+    """One line per key of `node` (recursing into sections): name, type, default, help."""
+    lines = []
+    types_ = hints(type(node))
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if f.name in skip:
+            continue
+        if dataclasses.is_dataclass(value):
+            lines += _key_lines(value, prefix + f.name + ".")
+            continue
+        choices = f.metadata.get("choices")
+        kind = "|".join(choices) if choices else type_name(types_[f.name])
+        default = value if not isinstance(value, str) or value else "''"
+        if isinstance(value, str) and value.startswith(str(REPO_ROOT)):
+            default = Path(value).relative_to(REPO_ROOT)
+        lines.append(f"  {prefix + f.name:<36} {kind:<22} default {default!s:<14} {f.metadata.get('help', '')}")
+    return lines
+
+
 def help_text() -> str:
-    """Every key with its type, default and help, generated from the dataclasses above."""
+    """Every key with its type, default and help, generated from the dataclasses (each model's keys grouped)."""
     lines = [
         "usage: python train.py [--config FILE.yaml] [section.key=value ...]",
         "       accelerate launch [--config_file accelerate_configs/NAME.yaml] train.py [same arguments]",
@@ -357,22 +288,13 @@ def help_text() -> str:
         "",
         "Config keys (defaults <- --config FILE.yaml <- key=value overrides):",
     ]
-
-    def walk(node: Any, prefix: str) -> None:
-        hints = _hints(type(node))
-        for f in dataclasses.fields(node):
-            value = getattr(node, f.name)
-            if dataclasses.is_dataclass(value):
-                walk(value, prefix + f.name + ".")
-                continue
-            choices = f.metadata.get("choices")
-            kind = "|".join(choices) if choices else _type_name(hints[f.name])
-            default = value if not isinstance(value, str) or value else "''"
-            if isinstance(value, str) and value.startswith(str(REPO_ROOT)):
-                default = Path(value).relative_to(REPO_ROOT)
-            lines.append(f"  {prefix + f.name:<36} {kind:<22} default {default!s:<14} {f.metadata.get('help', '')}")
-
-    walk(Config(), "")
+    common = {f.name for f in dataclasses.fields(ModelConfig)}
+    lines += _key_lines(ModelConfig(), "model.")
+    for name, model in MODELS.items():
+        lines.append(f"  with model.name={name}:")
+        lines += _key_lines(model.Config(name=name), "model.", skip=common)
+    defaults = Config()
+    lines += _key_lines(defaults, "", skip={"model"})
     return "\n".join(lines)
 
 
@@ -381,8 +303,6 @@ def save_config(cfg: Config, path: Path) -> None:
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:
-    """Rebuild a Config from a saved config.yaml (used by resume checks and scripts/sample.py)."""
-    cfg = Config()
-    for key, value in _flatten(data).items():
-        _set(cfg, key, value)
-    return cfg
+    """Rebuild a Config from a saved config.yaml (used by resume checks and scripts/sample.py). Keys of other
+    models are skipped silently: configs saved before models owned their keys list every model's keys."""
+    return _apply(list(_flatten(data).items()), ignored=None)

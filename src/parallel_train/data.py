@@ -1,31 +1,28 @@
-"""Data: load a corpus with Hugging Face `datasets`, tokenize, split, and shard batches across ranks.
+"""Data: read a corpus with Hugging Face `datasets`, tokenize it, cut it into windows, and build the loaders.
 
-The rule that makes every topology train on the same data: the samples of optimizer step k depend only
-on the seed and the global batch size (batch_size x world_size x gradient_accumulation_steps). One
-seeded permutation per epoch orders all samples (as `DistributedSampler` does); global batch k is the
-next slice of it, cut into one contiguous piece per (micro-step, rank). So 2 ranks x batch 4,
-1 rank x batch 8 and 4 micro-steps x batch 2 see the same 8 samples at every step, and resuming at
-step k needs nothing but k.
+`build_datasets` is the built-in `text` data source (data_sources.py names the others). The train loader
+reads this rank's share of every global batch through batch_sampler.py, which is what makes every topology
+train on the same samples.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
+from torch.utils.data import DataLoader, Dataset, default_collate
 
+from parallel_train.batch_sampler import GlobalBatchSampler
 from parallel_train.config import Config, DataConfig
 from parallel_train.errors import UserError
+from parallel_train.tokenization import ByteVocab, CharVocab
 
 LOCAL_FORMATS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
-# ---------------------------------------------------------------- corpus and vocabulary
+# ---------------------------------------------------------------- corpus
 
 
 def load_corpus(cfg: DataConfig) -> str:
@@ -66,61 +63,6 @@ def load_corpus(cfg: DataConfig) -> str:
     if "\x00" in text:
         raise UserError(f"data.path: {cfg.path!r} contains NUL bytes; is it a binary file?")
     return text
-
-
-@dataclass
-class CharVocab:
-    """Character vocabulary built from the corpus (sorted, so the same corpus gives the same ids)."""
-
-    chars: list[str]
-    kind = "char"  # a class attribute, not a field
-
-    @classmethod
-    def from_text(cls, text: str) -> CharVocab:
-        return cls(sorted(set(text)))
-
-    @property
-    def size(self) -> int:
-        return len(self.chars)
-
-    def encode(self, text: str) -> np.ndarray:
-        codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
-        table = np.full(max(map(ord, self.chars)) + 1, -1, dtype=np.int64)
-        table[[ord(c) for c in self.chars]] = np.arange(len(self.chars))
-        ids = table[np.minimum(codes, len(table) - 1)]
-        if (ids < 0).any() or (codes >= len(table)).any():
-            raise ValueError("text holds characters outside the vocabulary")
-        return ids
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(self.chars[i] for i in ids)
-
-    def to_json(self) -> str:
-        return json.dumps({"kind": "char", "chars": self.chars}, ensure_ascii=False)
-
-    @classmethod
-    def load(cls, path: Path) -> CharVocab:
-        return cls(json.loads(path.read_text())["chars"])
-
-
-class ByteVocab:
-    """One id per UTF-8 byte (data.tokenizer=byte): any text encodes, nothing to build or to save but the kind."""
-
-    kind, size = "byte", 256
-
-    def encode(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")  # padded ids have no byte
-
-    def to_json(self) -> str:
-        return json.dumps({"kind": "byte"})
-
-
-def load_vocab(path: Path) -> CharVocab | ByteVocab:
-    """The vocabulary a run saved in vocab.json, whichever tokenizer made it."""
-    return ByteVocab() if json.loads(path.read_text()).get("kind") == "byte" else CharVocab.load(path)
 
 
 # ---------------------------------------------------------------- datasets
@@ -170,45 +112,6 @@ def keep_batch(batch):
     return batch
 
 
-# ---------------------------------------------------------------- sharding
-
-
-class GlobalBatchSampler(Sampler[list[int]]):
-    """Yields this rank's sample indices for each micro-step, from `start_step` on, forever.
-
-    Stream position p holds sample perm_e[p % N] with e = p // N (one seeded permutation per epoch).
-    Micro-step m of the run covers stream positions [m*W*B, (m+1)*W*B); rank r takes the r-th slice of B.
-    """
-
-    def __init__(self, num_samples: int, batch_size: int, world_size: int, rank: int, seed: int, start_micro_step: int = 0):
-        self.n, self.batch_size, self.world_size, self.rank, self.seed = num_samples, batch_size, world_size, rank, seed
-        self.start_micro_step = start_micro_step
-        self._epoch, self._perm = -1, torch.empty(0, dtype=torch.long)
-
-    def _permutation(self, epoch: int) -> torch.Tensor:
-        if epoch != self._epoch:
-            g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
-            self._epoch, self._perm = epoch, torch.randperm(self.n, generator=g)
-        return self._perm
-
-    def indices_at(self, micro_step: int) -> list[int]:
-        start = (micro_step * self.world_size + self.rank) * self.batch_size
-        out: list[int] = []
-        pos = start
-        while pos < start + self.batch_size:  # a batch may straddle two epochs
-            epoch, offset = divmod(pos, self.n)
-            take = min(self.n - offset, start + self.batch_size - pos)
-            out.extend(self._permutation(epoch)[offset : offset + take].tolist())
-            pos += take
-        return out
-
-    def __iter__(self) -> Iterator[list[int]]:
-        m = self.start_micro_step
-        while True:
-            yield self.indices_at(m)
-            m += 1
-
-
 # ---------------------------------------------------------------- assembly
 
 
@@ -230,16 +133,10 @@ def collate_fn(data: Data, dataset: Dataset) -> Callable:
 
 
 def build_datasets(cfg: Config, vocab: CharVocab | ByteVocab | None = None) -> Data:
-    """Load and split the data. Pass the saved vocab when resuming so ids stay the same."""
+    """The `text` data source: load, tokenize and split data.path. Pass the saved vocab when resuming so ids stay the same."""
     d, m = cfg.data, cfg.model
-    if d.source != "text":  # a loader of your own, registered in data_sources.py
-        from parallel_train.data_sources import DATA_SOURCES  # late: data_sources imports this module
-
-        return DATA_SOURCES[d.source](cfg, vocab)
     if d.path == "random":
-        train = RandomClassification(d.num_samples, m.in_features, m.out_features, seed=cfg.train.seed)
-        val = RandomClassification(d.num_samples, m.in_features, m.out_features, seed=cfg.train.seed + 1)
-        return Data(train, val, None, m.out_features)
+        return random_classification(cfg)
 
     if d.path == "synthetic":
         return synthetic_data(cfg)
@@ -266,6 +163,20 @@ def build_datasets(cfg: Config, vocab: CharVocab | ByteVocab | None = None) -> D
         )
     vocab_size = max(vocab.size, m.vocab_size)
     return Data(TokenWindows(train_ids, m.block_size), TokenWindows(val_ids, m.block_size), vocab, vocab_size)
+
+
+def random_classification(cfg: Config) -> Data:
+    """Random inputs and class labels (data.path=random), shaped for the seed MLP: model.in_features inputs,
+    model.out_features classes."""
+    d, m = cfg.data, cfg.model
+    in_features, classes = getattr(m, "in_features", None), getattr(m, "out_features", None)  # the MLP's own keys
+    if in_features is None or classes is None:
+        raise UserError(
+            f"data.path=random makes (features, class) samples for model.name=mlp, not for model.name={m.name}; use a text corpus"
+        )
+    train = RandomClassification(d.num_samples, in_features, classes, seed=cfg.train.seed)
+    val = RandomClassification(d.num_samples, in_features, classes, seed=cfg.train.seed + 1)
+    return Data(train, val, None, classes)
 
 
 def synthetic_data(cfg: Config) -> Data:

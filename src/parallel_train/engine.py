@@ -1,118 +1,69 @@
-"""How one optimizer step runs on this topology. The trainer only talks to an Engine.
+"""The Engine: how one optimizer step runs on this topology. The trainer talks to nothing else.
 
-`DataParallelEngine` is the default: Accelerate places the model and wraps it in DDP (one process per
-device); every rank runs the whole model on its shard of the global batch. Pipeline engines (model
-split over devices or processes) live in parallel_train/pipeline/ and offer the same methods.
-
-An engine owns the model and the optimizer; `full_state_dict` and `optimizer_state` are collectives
-(every rank calls them) that return canonical, name-keyed state on the main process, so checkpoints
-from any engine load into any other.
+Engines: `DataParallelEngine` (data_parallel.py; DDP, or FSDP/DeepSpeed through accelerate), and the pipeline
+engines (pipeline/inprocess.py: stages on several devices in one process; pipeline/distributed.py: one stage
+per process). topology.py picks one for a config. Every engine owns the model and the optimizer, and every
+method marked "a collective" must be called by every rank, in the same order.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from parallel_train.checkpoint import load_optimizer_by_name, optimizer_state_by_name
-from parallel_train.config import Config
-from parallel_train.losses import loss_fn
-from parallel_train.metrics import add_stats, metric_stats, metric_values
-from parallel_train.sharding import load_full_state_dict
+# (mean loss of the step, global gradient norm or None) -> may the optimizer apply this step's update?
+UpdateGate = Callable[[torch.Tensor, torch.Tensor | None], bool]
 
 
-class DataParallelEngine:
-    name = "data parallel (DDP via Accelerate)"
+def allow_every_update(loss: torch.Tensor, grad_norm: torch.Tensor | None) -> bool:
+    """The default gate, until the trainer installs guards.RunGuard.update_allowed (which skips non-finite steps)."""
+    return True
 
-    def __init__(self, cfg: Config, accelerator, model: nn.Module, optimizer: torch.optim.Optimizer, val_loader):
-        self.cfg, self.accelerator = cfg, accelerator
-        self.loss_fn = loss_fn
-        if cfg.train.compile:
-            # In place (nn.Module.compile): parameter names stay canonical for checkpoints; the loss is
-            # compiled too, so the float cast and log-softmax over the vocabulary fuse into one kernel.
-            model.compile()
-            self.loss_fn = torch.compile(loss_fn)
-        self.model, self.optimizer, self.val_loader = accelerator.prepare(model, optimizer, val_loader)
-        self.device = accelerator.device
-        self.update_allowed = lambda loss, grad_norm: True  # the trainer installs guards.RunGuard.update_allowed
-        # Data parallelism: which shard of the global batch this process reads (data.py).
-        self.dp_size, self.dp_rank = accelerator.num_processes, accelerator.process_index
 
-    @property
-    def unwrapped(self) -> nn.Module:
-        """The plain model, with canonical parameter names."""
-        return self.accelerator.unwrap_model(self.model)
+class Engine(Protocol):
+    name: str  # one line for the start banner: what the processes do
+    accelerator: Any  # accelerate.Accelerator (imported lazily: it costs seconds)
+    optimizer: torch.optim.Optimizer  # holds exactly this rank's parameters (whole model, shard or stage)
+    device: torch.device  # where targets meet the logits
+    model: nn.Module | None  # what forward runs through in this process; None when split over stage views
+    dp_size: int  # data-parallel replicas: each global batch is cut into this many shards
+    dp_rank: int  # the shard this process reads
+    update_allowed: UpdateGate
 
     def train_step(self, batches: Iterator) -> tuple[torch.Tensor, int]:
-        """One optimizer step over gradient_accumulation_steps micro-batches.
-
-        Returns (mean loss of this rank's micro-batches as a device tensor, tokens this rank saw);
-        no host-device sync here: the trainer reads the loss only on log steps.
-        """
-        accelerator, A = self.accelerator, self.cfg.train.gradient_accumulation_steps
-        loss_sum = torch.zeros((), device=self.device)
-        tokens = 0
-        for _ in range(A):
-            x, y = next(batches)
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            # accumulate(): no DDP all-reduce until the last micro-step; backward() divides by A.
-            with accelerator.accumulate(self.model):
-                loss = self.loss_fn(self.model(x), y)
-                accelerator.backward(loss)
-            loss_sum += loss.detach()
-            tokens += y.numel()
-        # The norm is needed for clipping, and to skip non-finite steps (inf: measure without clipping).
-        max_norm = self.cfg.train.grad_clip or (math.inf if self.cfg.train.max_skipped_steps else 0)
-        grad_norm = accelerator.clip_grad_norm_(self.model.parameters(), max_norm) if max_norm else None
-        if self.update_allowed(loss_sum / A, grad_norm):  # guards.py: False skips a non-finite step
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss_sum / A, tokens
-
-    @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """The validation metrics (metrics.py; "loss" first) over the fixed eval set, each sample counted once
-        across ranks."""
-        self.model.eval()
-        totals = None
-        for x, y in self.val_loader:
-            totals = add_stats(totals, self.accelerator.gather_for_metrics(metric_stats(self.model(x), y)))
-        self.model.train()
-        return metric_values(totals)
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Whole-model weights on CPU with canonical names (a collective under FSDP/DeepSpeed)."""
-        state = self.accelerator.get_state_dict(self.model)
-        return {k: v.detach().contiguous().cpu() for k, v in state.items()} if state else {}
-
-    def optimizer_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        return optimizer_state_by_name(self.unwrapped, self.optimizer)
-
-    def load(self, model_state: dict[str, torch.Tensor], opt_tensors: dict[str, torch.Tensor], opt_meta: dict[str, Any]) -> None:
-        load_full_state_dict(self.unwrapped, model_state)  # cuts whole tensors into shards under FSDP2
-        load_optimizer_by_name(self.unwrapped, self.optimizer, opt_tensors, opt_meta)
-
-    def flops_per_token(self) -> int | None:
-        return self.unwrapped.flops_per_token() if hasattr(self.unwrapped, "flops_per_token") else None
+        """One optimizer step over gradient_accumulation_steps micro-batches: (this rank's mean loss as a device
+        tensor, tokens this rank saw). No host-device sync: the trainer reads the loss on log steps only."""
+        ...
 
     def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The step's loss averaged over data-parallel ranks, for logging. A collective."""
-        return self.accelerator.reduce(loss, reduction="mean")
+        ...
+
+    def evaluate(self) -> dict[str, float]:
+        """Every validation metric (eval_metrics.py; "loss" first) over the fixed eval set, each sample counted
+        once across ranks. A collective."""
+        ...
+
+    def flops_per_token(self) -> int | None:
+        """Training FLOPs per token of the whole model, for MFU (None: unknown)."""
+        ...
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Whole-model weights on CPU with canonical parameter names, on the main process ({} elsewhere). A collective."""
+        ...
+
+    def optimizer_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The optimizer state keyed by parameter name (tensors, JSON metadata), on the main process. A collective."""
+        ...
+
+    def load(self, model_state: dict[str, torch.Tensor], opt_tensors: dict[str, torch.Tensor], opt_meta: dict[str, Any]) -> None:
+        """Load canonical, whole-model state (from a checkpoint of any topology) into this rank's part."""
+        ...
 
     def finish(self, out: Path) -> dict[str, Any]:
         """End-of-run extras for summary.json (pipeline engines draw their timeline). A collective."""
-        return {}
-
-
-def build_engine(cfg: Config, accelerator, model: nn.Module, optimizer: torch.optim.Optimizer, val_loader) -> DataParallelEngine:
-    """Pick the engine for this config and launch (pipeline engines plug in here)."""
-    if cfg.parallel.stage_devices or cfg.parallel.pipeline_stages > 1:
-        from parallel_train.pipeline import build_pipeline_engine
-
-        return build_pipeline_engine(cfg, accelerator, model, optimizer, val_loader)
-    return DataParallelEngine(cfg, accelerator, model, optimizer, val_loader)
+        ...

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
 EXIT_USER_ERROR = 2
 EXIT_PEER_FAILURE = 1
@@ -16,6 +17,52 @@ EXIT_PEER_FAILURE = 1
 
 class UserError(Exception):
     """A problem with the user's input. The message names what is wrong and how to fix it."""
+
+
+@dataclass
+class Progress:
+    """Where this process is, for error messages raised outside the loop (see collective_failure_message)."""
+
+    step: int = 0
+    timeout_s: int | None = None
+    rank: int = 0
+
+
+PROGRESS = Progress()
+
+
+# ---------------------------------------------------------------- failed collectives
+
+COLLECTIVE_MARKERS = (
+    "gloo",
+    "nccl",
+    "connection reset by peer",
+    "connection closed by peer",
+    "broken pipe",
+    "timed out waiting",
+    "watchdog",
+    "processgroup",
+    "collective operation timeout",
+)
+
+
+def collective_failure_message(error: BaseException) -> str | None:
+    """One line for an error raised by a collective (a peer died or hung), else None."""
+    import torch  # only here: errors.py is imported before anything heavy
+
+    dist_error = getattr(torch.distributed, "DistError", ())
+    text = str(error).strip()
+    if not (isinstance(error, dist_error) or any(m in text.lower() for m in COLLECTIVE_MARKERS)):
+        return None
+    first = text.splitlines()[0] if text else type(error).__name__
+    if first.startswith("[") and "] " in first:  # drop gloo's "[/path/to/pair.cc:537] " source location
+        first = first.split("] ", 1)[1]
+    first = first.split(". This is typically")[0][:200]
+    timeout = f"{PROGRESS.timeout_s} s" if PROGRESS.timeout_s else "the timeout"
+    return (
+        f"rank {PROGRESS.rank}: a collective failed at step {PROGRESS.step} ({first}): another process died or did not "
+        f"answer within parallel.timeout_s ({timeout}); see that process's output, then relaunch with resume=auto"
+    )
 
 
 def is_first_process() -> bool:
@@ -35,8 +82,6 @@ def run_cli(main: Callable[[], int | None]) -> None:
     except KeyboardInterrupt:
         sys.exit(130)
     except RuntimeError as e:
-        from parallel_train.guards import collective_failure_message
-
         message = collective_failure_message(e)
         if message is None:
             raise

@@ -8,7 +8,8 @@
   `train.max_skipped_steps=N` such steps are skipped (no optimizer update), N at most. Either way every rank
   takes the same decision, and no checkpoint (or final model) with non-finite weights is ever written.
 - A collective that fails (a peer died, or hung longer than parallel.timeout_s) ends this process with one
-  line and exit code 1 instead of a C++ traceback or a hang, so an elastic launcher can restart the job.
+  line and exit code 1 instead of a C++ traceback or a hang, so an elastic launcher can restart the job
+  (errors.py words it from the step recorded here in PROGRESS).
 
 Agreement: ranks compare notes with one all-reduce of two integers ("a stop signal arrived", "first
 non-finite step") every AGREE_EVERY steps and on log, checkpoint and final steps. Not every step: on GPUs
@@ -23,28 +24,15 @@ from __future__ import annotations
 import shlex
 import signal
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from parallel_train.errors import UserError
+from parallel_train.errors import PROGRESS, UserError
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 AGREE_EVERY = 16
 NO_BAD_STEP = 2**62  # "no non-finite step seen" in the agreement's min-reduction
-
-
-@dataclass
-class Progress:
-    """Where this process is, for error messages raised outside the loop (see collective_failure_message)."""
-
-    step: int = 0
-    timeout_s: int | None = None
-    rank: int = 0
-
-
-PROGRESS = Progress()
 
 
 class StopSignals:
@@ -172,38 +160,6 @@ def check_finite_weights(engine, step: int) -> None:
             f"the model weights are non-finite (NaN or inf) at step {step}: not writing them; "
             "lower train.learning_rate or check the data, then resume=auto from the last checkpoint"
         )
-
-
-# ---------------------------------------------------------------- failed collectives
-
-COLLECTIVE_MARKERS = (
-    "gloo",
-    "nccl",
-    "connection reset by peer",
-    "connection closed by peer",
-    "broken pipe",
-    "timed out waiting",
-    "watchdog",
-    "processgroup",
-    "collective operation timeout",
-)
-
-
-def collective_failure_message(error: BaseException) -> str | None:
-    """One line for an error raised by a collective (a peer died or hung), else None."""
-    dist_error = getattr(torch.distributed, "DistError", ())
-    text = str(error).strip()
-    if not (isinstance(error, dist_error) or any(m in text.lower() for m in COLLECTIVE_MARKERS)):
-        return None
-    first = text.splitlines()[0] if text else type(error).__name__
-    if first.startswith("[") and "] " in first:  # drop gloo's "[/path/to/pair.cc:537] " source location
-        first = first.split("] ", 1)[1]
-    first = first.split(". This is typically")[0][:200]
-    timeout = f"{PROGRESS.timeout_s} s" if PROGRESS.timeout_s else "the timeout"
-    return (
-        f"rank {PROGRESS.rank}: a collective failed at step {PROGRESS.step} ({first}): another process died or did not "
-        f"answer within parallel.timeout_s ({timeout}); see that process's output, then relaunch with resume=auto"
-    )
 
 
 def stop_message(signal_name: str, step: int, max_steps: int, saved: Path) -> str:

@@ -17,17 +17,19 @@ import yaml
 from tqdm.auto import tqdm
 
 from parallel_train import checkpoint, faults
+from parallel_train.accelerator_setup import make_accelerator
 from parallel_train.config import Config, save_config
-from parallel_train.data import build_datasets, load_vocab, train_loader, val_loader
-from parallel_train.engine import build_engine
+from parallel_train.data import train_loader, val_loader
+from parallel_train.data_sources import load_data
 from parallel_train.errors import UserError, is_first_process
 from parallel_train.guards import RunGuard, check_finite_weights, stop_message
-from parallel_train.launch import make_accelerator, topology
 from parallel_train.messages import train_line
 from parallel_train.models import build_model
 from parallel_train.optim import build_optimizer, build_scheduler
 from parallel_train.perf import configure_backends, mfu, peak_flops, process_age_s
 from parallel_train.plots import PICTURE, plot_runs
+from parallel_train.tokenization import load_vocab
+from parallel_train.topology import build_engine, describe
 from parallel_train.tracking import MetricsLog, finish_trackers, init_trackers, new_run_id, prepare_tracker_env
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "model.safetensors")
@@ -97,13 +99,13 @@ def run(cfg: Config, config_path: str | None) -> int:
     configure_backends(cfg.train, device)
     A = cfg.train.gradient_accumulation_steps
     say(
-        f"[parallel_train] {topology(accelerator)} | world size {world} | device {device} | "
+        f"[parallel_train] {describe(accelerator)} | world size {world} | device {device} | "
         f"precision {accelerator.mixed_precision} | config {config_path or 'defaults'} | output_dir {out} | tracker {tracker_word}"
     )
 
     # ---- data (the vocab of a resumed run is reused, so token ids cannot shift)
     vocab = load_vocab(resume_from / "vocab.json") if resume_from and (resume_from / "vocab.json").exists() else None
-    data = build_datasets(cfg, vocab)
+    data = load_data(cfg, vocab)
 
     # ---- model, optimizer, schedule. Same seed on every rank: identical initial weights.
     torch.manual_seed(cfg.train.seed)
@@ -130,7 +132,7 @@ def run(cfg: Config, config_path: str | None) -> int:
     # guards.py: stop signals, non-finite loss/gradients, the stop step all ranks agree on
     guard = RunGuard(accelerator, cfg.train.max_skipped_steps, cfg.parallel.timeout_s, state.get("skipped_steps", 0))
     engine.update_allowed = guard.update_allowed
-    faults.install(getattr(engine, "model", None), lambda: guard.step)  # test-only; nothing unless PARALLEL_TRAIN_FAULT is set
+    faults.install(engine.model, lambda: guard.step)  # test-only; nothing unless PARALLEL_TRAIN_FAULT is set
 
     config_yaml = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
     vocab_json = data.vocab.to_json() if data.vocab else None
@@ -215,7 +217,7 @@ def run(cfg: Config, config_path: str | None) -> int:
 
         t_pause = time.perf_counter()
         if due(done, cfg.eval.interval):
-            val = engine.evaluate()  # {"loss": ..., and every other metric of metrics.py}
+            val = engine.evaluate()  # {"loss": ..., and every other metric of eval_metrics.py}
             val_loss = val["loss"]
             state["final_val_loss"], state["final_val_step"] = val_loss, done
             state["final_val_metrics"] = {f"val_{name}": value for name, value in val.items()}

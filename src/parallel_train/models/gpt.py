@@ -14,17 +14,34 @@ takes the previous stage's activations as input, a stage without the head return
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from parallel_train.config import ModelConfig
+from parallel_train.config_fields import check, opt
+from parallel_train.model_config import ModelConfig
+
+
+@dataclass
+class GPTConfig(ModelConfig):
+    """The GPT's own keys (model.<key>=value), beside the keys every model has."""
+
+    n_layer: int = opt(4, "transformer blocks", min=1)
+    n_head: int = opt(4, "attention heads per block", min=1)
+    n_embd: int = opt(128, "embedding width (divisible by n_head)", min=1)
+    dropout: float = opt(0.0, "dropout probability", min=0.0, below=1.0)
+    bias: bool = opt(True, "bias in Linear and LayerNorm layers")
+    activation_checkpointing: bool = opt(False, "recompute each block's activations in backward: less memory, about 1/3 more compute")
+
+    def check(self) -> None:
+        check(self.n_embd % self.n_head == 0, f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})")
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
         self.dropout = cfg.dropout
@@ -44,7 +61,7 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
@@ -57,7 +74,7 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
@@ -70,10 +87,11 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    Config = GPTConfig  # its keys: what model.name=gpt accepts
     # forward uses these together: the pipeline splitter keeps them in one stage.
     pipeline_groups = (("tok_emb", "pos_emb", "drop"),)
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int):
+    def __init__(self, cfg: GPTConfig, vocab_size: int):
         super().__init__()
         self.block_size = cfg.block_size
         self.activation_checkpointing = cfg.activation_checkpointing

@@ -5,14 +5,28 @@ Written as named parts (fc1, act, fc2) so the pipeline splitter can cut it like 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from parallel_train.config import ModelConfig
+from parallel_train.config_fields import opt
+from parallel_train.model_config import ModelConfig
+
+
+@dataclass
+class MLPConfig(ModelConfig):
+    """The seed MLP's own keys. With data.path=random, the data takes its shape from them too."""
+
+    in_features: int = opt(10, "input width", min=1)
+    hidden: int = opt(50, "hidden width", min=1)
+    out_features: int = opt(10, "number of classes", min=1)
 
 
 class SeedMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, vocab_size: int = 0):
+    Config = MLPConfig  # its keys: what model.name=mlp accepts
+
+    def __init__(self, cfg: MLPConfig, vocab_size: int = 0):
         super().__init__()
         self.fc1 = nn.Linear(cfg.in_features, cfg.hidden)
         self.act = nn.ReLU()

@@ -27,9 +27,10 @@ from torch import nn
 
 from parallel_train.checkpoint import load_optimizer_by_name, optimizer_state_by_name
 from parallel_train.config import Config
+from parallel_train.engine import allow_every_update
 from parallel_train.errors import UserError
+from parallel_train.eval_metrics import add_stats, add_totals, metric_stats, metric_values
 from parallel_train.losses import loss_fn
-from parallel_train.metrics import add_stats, add_totals, metric_stats, metric_values
 from parallel_train.pipeline.cost import measure_units
 from parallel_train.pipeline.split import describe_stages, plan_stages, stage_module
 from parallel_train.pipeline.timeline import Recorder, write_report
@@ -92,7 +93,7 @@ class MultiProcessPipelineEngine:
         self.S, self.M, self.V, self.world, self.rank = S, M, V, world, rank
         self.dp_size, self.dp_rank, self.pp_rank = D, rank // S, rank % S
 
-        if getattr(cfg.train, "compile", False):
+        if cfg.train.compile:
             accelerator.print("notice: train.compile is not applied to pipeline stages; training uncompiled")
         self._flops = model.flops_per_token() if hasattr(model, "flops_per_token") else None
         self.canonical_keys = list(model.state_dict().keys())
@@ -110,7 +111,8 @@ class MultiProcessPipelineEngine:
 
         mesh = init_device_mesh(self.device.type, (D, S), mesh_dim_names=("dp", "pp"))
         self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
-        self.update_allowed = lambda loss, grad_norm: True  # the trainer installs its guard here
+        self.update_allowed = allow_every_update  # the trainer installs its guard here
+        self.model = None  # forward runs through the stage views of self.local (no one module to hook)
         self.recorder = Recorder()
         self.profile_every = 10 if self.device.type == "cuda" else 1
         self._steps, self.profiling = 0, False
@@ -194,7 +196,7 @@ class MultiProcessPipelineEngine:
             for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
                 g.copy_(reduced)
         grad_norm = None
-        if self.cfg.train.grad_clip > 0 or getattr(self.cfg.train, "max_skipped_steps", 0):
+        if self.cfg.train.grad_clip > 0 or self.cfg.train.max_skipped_steps:
             grad_norm = self._clip(params, self.cfg.train.grad_clip or float("inf"))
         # The guard (guards.py) sees the global norm, the same on every rank: all skip a non-finite step together.
         if self.update_allowed(loss, grad_norm):
@@ -222,7 +224,7 @@ class MultiProcessPipelineEngine:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """The validation metrics (metrics.py); the replicas take turns over the fixed eval batches, and each
+        """The validation metrics (eval_metrics.py); the replicas take turns over the fixed eval batches, and each
         replica's last stage computes them from the logits."""
         for mod in self.stage_mods:
             mod.eval()

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from parallel_train.config import Config
-from parallel_train.engine import DataParallelEngine
+from parallel_train.data_parallel import DataParallelEngine
+from parallel_train.engine import allow_every_update
 from parallel_train.errors import UserError
 from parallel_train.losses import loss_fn
 from parallel_train.pipeline.cost import measure_units
@@ -210,8 +211,8 @@ class InProcessPipelineEngine(DataParallelEngine):
         stages = plan_stages(model, len(devices), p.split, measure)
         self.cfg, self.accelerator, self.base, self.stages = cfg, accelerator, model, stages
         self.loss_fn = loss_fn  # what DataParallelEngine.__init__ would set (train_step is inherited)
-        self.update_allowed = lambda loss, grad_norm: True  # the trainer installs its guard here
-        if getattr(cfg.train, "compile", False):
+        self.update_allowed = allow_every_update  # the trainer installs its guard here
+        if cfg.train.compile:
             accelerator.print("notice: train.compile is not applied to a pipeline-split model; training uncompiled")
         self.recorder = Recorder()
         # On GPUs the host would wait for each timed flush; time one flush in ten there.

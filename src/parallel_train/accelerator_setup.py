@@ -11,13 +11,13 @@ The same train.py runs under `python`, `accelerate launch` (any config) and `tor
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 
 from parallel_train.config import Config
+from parallel_train.elastic import init_process_group_for_restarts
 from parallel_train.errors import UserError
 
 TRUE = ("1", "true", "yes")
@@ -94,8 +94,6 @@ def make_accelerator(cfg: Config, notice) -> Accelerator:  # noqa: F821 (lazy im
         )
 
     log_with = None if cfg.tracker == "none" else cfg.tracker
-    from parallel_train.elastic import init_process_group_for_restarts
-
     init_process_group_for_restarts(cfg.parallel.timeout_s)  # only under torchrun/accelerate --max-restarts N
     accelerator = Accelerator(
         cpu=not cuda,
@@ -128,15 +126,3 @@ def check_world_size(accelerator) -> None:
             "On CPU, `accelerate launch --cpu --num_processes N` and MULTI_CPU configs without mpirun start one process: "
             "use `accelerate launch --config_file accelerate_configs/multi_cpu.yaml train.py` or `torchrun --nproc-per-node N train.py`"
         )
-
-
-def topology(accelerator) -> str:
-    dist = accelerator.distributed_type.value
-    backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else "none"
-    nodes = int(os.environ.get("GROUP_WORLD_SIZE", os.environ.get("NUM_MACHINES", "0")) or 0)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
-    nodes = nodes or max(1, accelerator.num_processes // max(1, local))
-    kind = (
-        "1 process" if accelerator.num_processes == 1 else f"{accelerator.num_processes} processes"
-    )  # the engine line says how they split the work
-    return f"{kind} ({dist}, backend {backend}, {nodes} node{'s' if nodes > 1 else ''}, host {socket.gethostname()})"

@@ -16,9 +16,9 @@ from torch import nn
 
 from parallel_train import checkpoint
 from parallel_train.config import Config, config_from_dict
-from parallel_train.data import load_vocab
 from parallel_train.errors import UserError
 from parallel_train.models import build_model
+from parallel_train.tokenization import load_vocab
 
 
 @dataclass

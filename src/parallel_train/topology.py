@@ -1,0 +1,51 @@
+"""Which engine runs this config and launch, and one line that describes the launch.
+
+parallel.stage_devices given          -> pipeline in one process over those devices (pipeline/inprocess.py)
+parallel.pipeline_stages > 1          -> one pipeline stage per process (pipeline/distributed.py)
+otherwise                             -> data parallel: DDP, or FSDP/DeepSpeed via accelerate (data_parallel.py)
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+from torch import nn
+
+from parallel_train.config import Config
+from parallel_train.data_parallel import DataParallelEngine
+from parallel_train.engine import Engine
+from parallel_train.errors import UserError
+from parallel_train.pipeline.distributed import MultiProcessPipelineEngine
+from parallel_train.pipeline.inprocess import InProcessPipelineEngine
+
+
+def build_engine(cfg: Config, accelerator, model: nn.Module, optimizer: torch.optim.Optimizer, val_loader) -> Engine:
+    """The engine for this config and launch; it takes ownership of the model and the optimizer."""
+    p = cfg.parallel
+    if p.stage_devices:
+        return InProcessPipelineEngine(cfg, accelerator, model, optimizer, val_loader)
+    if p.pipeline_stages > 1:
+        if accelerator.num_processes > 1:
+            return MultiProcessPipelineEngine(cfg, accelerator, model, optimizer, val_loader)
+        S = p.pipeline_stages
+        raise UserError(
+            f"parallel.pipeline_stages={S} in one process needs parallel.stage_devices (one device per stage, e.g. "
+            f"[{','.join(['cpu'] * S)}] or [{','.join(f'cuda:{i}' for i in range(S))}]), or launch {S} processes: "
+            f"torchrun --nproc-per-node {S} train.py ..."
+        )
+    return DataParallelEngine(cfg, accelerator, model, optimizer, val_loader)
+
+
+def describe(accelerator) -> str:
+    """`2 processes (MULTI_CPU, backend gloo, 1 node, host h)`: the launch, for the start banner."""
+    dist = accelerator.distributed_type.value
+    backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else "none"
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", os.environ.get("NUM_MACHINES", "0")) or 0)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+    nodes = nodes or max(1, accelerator.num_processes // max(1, local))
+    kind = (
+        "1 process" if accelerator.num_processes == 1 else f"{accelerator.num_processes} processes"
+    )  # the engine line says how they split the work
+    return f"{kind} ({dist}, backend {backend}, {nodes} node{'s' if nodes > 1 else ''}, host {socket.gethostname()})"
