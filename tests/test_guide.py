@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ACCELERATE, PYTHON, REPO, TINY, TORCHRUN, check, free_port, launch_env, read_metrics, readme_section, run
+from helpers import ACCELERATE, PYTHON, REPO, TINY, TORCHRUN, check, doc_section, free_port, launch_env, read_metrics, run
 
 pytestmark = pytest.mark.multiprocess
 
@@ -167,7 +167,7 @@ def test_customize_guide_as_written_trains_on_two_processes(tmp_path):
     root = copy_repo(tmp_path / "clone")
     write_user_data(root)
     env = launch_env(tmp_path)
-    guide = sections(readme_section("Make it yours"))
+    guide = sections(doc_section("README", "Make it yours"))
     changed, ran, skipped = [], {}, 0
     for heading, blocks in guide:
         for language, code in blocks:

@@ -24,10 +24,10 @@ from helpers import (
     TORCHRUN,
     Result,
     check,
+    doc_section,
     free_port,
     launch_env,
     read_metrics,
-    readme_section,
     run,
     run_together,
     summary,
@@ -61,7 +61,7 @@ def test_every_config_loads_validates_and_is_documented():
 
     names = sorted(p.stem for p in CONFIGS.glob("*.yaml"))
     assert set(EXPECTED) <= set(names), set(EXPECTED) - set(names)
-    table = readme_section("Topologies")
+    table = doc_section("README", "Topologies")
     for name in names:
         path = CONFIGS / f"{name}.yaml"
         config = load_config_from_file(str(path))  # accelerate's own loader: unknown keys are an error
