@@ -144,9 +144,33 @@ def summary(out: Path) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
-def readme_section(title_start: str) -> str:
-    """The README's `## <title_start>...` section, up to the next `## ` heading (docs tests read the README itself)."""
-    lines = (REPO / "README.md").read_text().splitlines(keepends=True)
-    start = next(i for i, line in enumerate(lines) if line.startswith(f"## {title_start}"))
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-    return "".join(lines[start:end])
+def doc_lines(page: str) -> list[str]:
+    """The lines of a documentation page: "README" is README.md, any other name docs/<name>.md."""
+    path = REPO / "README.md" if page == "README" else REPO / "docs" / f"{page}.md"
+    return path.read_text().splitlines(keepends=True)
+
+
+def heading_level(line: str) -> int:
+    """1-6 for a Markdown ATX heading line (`# `, `## `, ...), else 0."""
+    hashes = len(line) - len(line.lstrip("#"))
+    return hashes if 1 <= hashes <= 6 and line[hashes : hashes + 1] in (" ", "\n", "") else 0
+
+
+def doc_section(page: str, title_start: str) -> str:
+    """The section of a page whose heading starts with `title_start` (any level), up to the next heading of the
+    same or a higher level; headings inside ``` fences (a `# comment` in a code block) do not count.
+    Docs tests read the pages themselves, so a page cannot drift from the code."""
+    lines, fenced, start, level = doc_lines(page), False, None, 0
+    for i, line in enumerate(lines):
+        if line.startswith("```"):
+            fenced = not fenced
+            continue
+        n = 0 if fenced else heading_level(line)
+        if not n:
+            continue
+        if start is None and line[n:].strip().startswith(title_start):
+            start, level = i, n
+        elif start is not None and n <= level:
+            return "".join(lines[start:i])
+    assert start is not None, f"no heading starting with {title_start!r} in {page}"
+    return "".join(lines[start:])

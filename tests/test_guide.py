@@ -1,4 +1,4 @@
-"""The README's "Make it yours" guide, done exactly as written, in a copy of the repository: the guide cannot rot.
+"""docs/guide.md ("Make it yours"), done exactly as written, in a copy of the repository: the guide cannot rot.
 
 The guide's code blocks say where they go on their first line, which this test follows:
     # new file: PATH                  the block is the whole new file
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ACCELERATE, PYTHON, REPO, TINY, TORCHRUN, check, free_port, launch_env, read_metrics, readme_section, run
+from helpers import ACCELERATE, PYTHON, REPO, TINY, TORCHRUN, check, doc_section, free_port, launch_env, read_metrics, run
 
 pytestmark = pytest.mark.multiprocess
 
@@ -35,8 +35,8 @@ SKIPPED = "# needs the Hub"
 
 
 def sections(text: str) -> list[tuple[str, list[tuple[str, str]]]]:
-    """[(heading, [(language, code), ...]), ...] for every ### / #### heading, in order."""
-    parts = re.split(r"^#{3,4} (.+)$", text, flags=re.M)
+    """[(heading, [(language, code), ...]), ...] for every ## / ### / #### heading, in order."""
+    parts = re.split(r"^#{2,4} (.+)$", text, flags=re.M)
     return [(heading, FENCE.findall(body)) for heading, body in zip(parts[1::2], parts[2::2], strict=True)]
 
 
@@ -167,7 +167,7 @@ def test_customize_guide_as_written_trains_on_two_processes(tmp_path):
     root = copy_repo(tmp_path / "clone")
     write_user_data(root)
     env = launch_env(tmp_path)
-    guide = sections(readme_section("Make it yours"))
+    guide = sections(doc_section("guide", "Make it yours"))
     changed, ran, skipped = [], {}, 0
     for heading, blocks in guide:
         for language, code in blocks:

@@ -24,10 +24,10 @@ from helpers import (
     TORCHRUN,
     Result,
     check,
+    doc_section,
     free_port,
     launch_env,
     read_metrics,
-    readme_section,
     run,
     run_together,
     summary,
@@ -61,13 +61,13 @@ def test_every_config_loads_validates_and_is_documented():
 
     names = sorted(p.stem for p in CONFIGS.glob("*.yaml"))
     assert set(EXPECTED) <= set(names), set(EXPECTED) - set(names)
-    table = readme_section("Topologies")
+    table = doc_section("topologies", "Pick a config and launch")
     for name in names:
         path = CONFIGS / f"{name}.yaml"
         config = load_config_from_file(str(path))  # accelerate's own loader: unknown keys are an error
         lines = path.read_text().splitlines()
         assert lines[0].startswith("# ") and f"accelerate launch --config_file accelerate_configs/{name}.yaml" in path.read_text(), name
-        assert f"accelerate_configs/{name}.yaml" in table, f"{name}.yaml is missing from the README's topology table"
+        assert f"accelerate_configs/{name}.yaml" in table, f"{name}.yaml is missing from the table in docs/topologies.md"
         if name not in EXPECTED:
             continue
         dist_type, nproc, machines, precision = EXPECTED[name]
