@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from helpers import PYTHON, run
-from parallel_train.config import load_config
+from parallel_train.config import Config, config_from_dict, load_config, sections
 from parallel_train.errors import UserError
+from parallel_train.models import MODELS
 
 
 def test_defaults_are_the_shakespeare_baseline():
@@ -81,3 +84,41 @@ def test_cli_error_is_one_line_exit_2_without_traceback():
     assert r.returncode == 2
     assert r.stderr.strip() == "error: model.n_embd (128) must be divisible by model.n_head (3)"
     assert "Traceback" not in r.output
+
+
+def test_a_model_owns_its_keys_and_rules(capsys):
+    cfg, _ = load_config(["--config", "configs/seed_mlp.yaml", "model.n_embd=130"])  # GPT's key and rule, not the MLP's
+    assert type(cfg.model).__name__ == "MLPConfig" and not hasattr(cfg.model, "n_embd")
+    assert "notice: ignoring model.n_embd (a key of model.name=gpt): not a key of model.name=mlp" in capsys.readouterr().err
+    with pytest.raises(UserError, match=r"unknown config key 'model.hiden': model.name=mlp has block_size, hidden, in_features"):
+        load_config(["model.name=mlp", "model.hiden=3"])
+    # model.name may come after the model's keys: it decides which keys model.* has
+    cfg, _ = load_config(["model.hidden=7", "model.name=mlp"])
+    assert cfg.model.hidden == 7
+    # A config saved before models owned their keys held every model's keys: it still loads, silently.
+    old = {"model": {"name": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, "in_features": 10, "hidden": 50}}
+    assert config_from_dict(old).model.n_layer == 2 and capsys.readouterr().err == ""
+
+
+def _numeric_keys() -> list[tuple[str, type]]:
+    keys = []
+    for prefix, section in sections(Config()):
+        keys += [(prefix + f.name, f.type) for f in dataclasses.fields(section) if f.type in ("int", "float", int, float)]
+    for model in MODELS.values():
+        keys += [(f"model.{f.name}", f.type) for f in dataclasses.fields(model.Config) if f.type in ("int", "float", int, float)]
+    return sorted(set(keys))
+
+
+@pytest.mark.parametrize("key, kind", _numeric_keys())
+def test_every_numeric_key_refuses_values_its_consumer_cannot_hold(key, kind):
+    """No numeric key reaches torch with a value it cannot take: an integer of 10**20 overflowed into a traceback,
+    and a float that is not finite poisons the run."""
+    model = (
+        [f"model.name={next(n for n, m in MODELS.items() if key[6:] in {f.name for f in dataclasses.fields(m.Config)})}"]
+        if key.startswith("model.")
+        else []
+    )
+    for value in ("nan", "inf", "-inf") if kind in ("float", float) else ("100000000000000000000", "-100000000000000000000"):
+        with pytest.raises(UserError) as e:
+            load_config([*model, f"{key}={value}"])
+        assert str(e.value).startswith(f"{key}: must be") and "\n" not in str(e.value), str(e.value)

@@ -183,7 +183,8 @@ def test_customize_guide_as_written_trains_on_two_processes(tmp_path):
                     assert "Traceback" not in result.output, (heading, line, result.output[-3000:])
     assert skipped == 1 and len(ran) == 6, list(ran)
     assert changed.count("src/parallel_train/data_sources.py") == 2 and "src/parallel_train/losses.py" in changed
-    assert "src/parallel_train/metrics.py" in changed
+    assert "src/parallel_train/eval_metrics.py" in changed
+    assert not any(path.endswith("config.py") for path in changed)  # a model owns its keys: config.py never changes
 
     # What each run shows a user: their model and data trained, on 2 processes, and text came out.
     runs = root / "runs"
@@ -205,6 +206,8 @@ def test_customize_guide_as_written_trains_on_two_processes(tmp_path):
 
     # The new key is typed and documented like the others; the new names are validated like the others.
     help_text = check(run([PYTHON, "train.py", "--help"], cwd=root, env=env, timeout=60)).stdout
-    assert re.search(r"model\.rnn_residual\s+bool\s+default True\s+char_rnn only", help_text)
+    own_keys = help_text.split("with model.name=char_rnn:")[1].split("with model.name=")[0]
+    assert re.search(r"model\.rnn_residual\s+bool\s+default True\s+add each GRU layer", own_keys)
+    assert re.search(r"model\.n_layer\s+int\s+default 2\s", own_keys)
     bad = run([PYTHON, "train.py", "data.source=dialog"], cwd=root, env=env, timeout=60)
     assert bad.returncode == 2 and "known: dialogue, text, utterances" in bad.stderr

@@ -110,7 +110,16 @@ def test_resume_continues_the_step_count_exactly(runs):
 def test_seed_mlp_example_on_two_processes(tmp_path):
     r = check(
         run(
-            torchrun_cmd(2, "--config", "configs/seed_mlp.yaml", "train.batch_size=32", "train.max_steps=20", f"output_dir={tmp_path}"),
+            # model.n_embd is GPT's key: the MLP ignores it (one notice) instead of failing on GPT's n_head rule
+            torchrun_cmd(
+                2,
+                "--config",
+                "configs/seed_mlp.yaml",
+                "train.batch_size=32",
+                "train.max_steps=20",
+                "model.n_embd=130",
+                f"output_dir={tmp_path}",
+            ),
             env=launch_env(tmp_path),
         )
     )
@@ -119,6 +128,7 @@ def test_seed_mlp_example_on_two_processes(tmp_path):
     losses = train_losses(tmp_path)
     assert losses[20] < losses[10]
     assert "2 processes (MULTI_CPU" in r.output and "engine: data parallel" in r.output
+    assert r.stderr.count("notice: ignoring model.n_embd (a key of model.name=gpt)") == 1
 
 
 def test_bf16_on_cpu_works_and_fp16_on_cpu_is_refused(tmp_path):
