@@ -28,7 +28,8 @@ from parallel_train.models import build_model
 from parallel_train.optim import build_optimizer, build_scheduler
 from parallel_train.perf import configure_backends, mfu, peak_flops, process_age_s
 from parallel_train.plots import PICTURE, plot_runs
-from parallel_train.tokenization import load_vocab
+from parallel_train.streaming_data import gather_positions, position_for
+from parallel_train.tokenization import load_saved
 from parallel_train.topology import build_engine, describe
 from parallel_train.tracking import MetricsLog, finish_trackers, init_trackers, new_run_id, prepare_tracker_env
 
@@ -104,8 +105,9 @@ def run(cfg: Config, config_path: str | None) -> int:
     )
 
     # ---- data (the vocab of a resumed run is reused, so token ids cannot shift)
-    vocab = load_vocab(resume_from / "vocab.json") if resume_from and (resume_from / "vocab.json").exists() else None
-    data = load_data(cfg, vocab)
+    data = load_data(cfg, load_saved(resume_from) if resume_from else None)
+    if data.description:
+        say(f"[parallel_train] data: {data.description}")
 
     # ---- model, optimizer, schedule. Same seed on every rank: identical initial weights.
     torch.manual_seed(cfg.train.seed)
@@ -135,20 +137,25 @@ def run(cfg: Config, config_path: str | None) -> int:
     faults.install(engine.model, lambda: guard.step)  # test-only; nothing unless PARALLEL_TRAIN_FAULT is set
 
     config_yaml = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-    vocab_json = data.vocab.to_json() if data.vocab else None
+    tokenizer_files = data.vocab.files() if data.vocab else {}
     if accelerator.is_main_process:
         save_config(cfg, out / "config.yaml")
         if data.vocab is not None:
-            (out / "vocab.json").write_text(vocab_json)
+            data.vocab.save(out)
     metrics = MetricsLog(out / "metrics.jsonl", accelerator, cfg.tracker)
     metrics.truncate_after(start_step)
     init_trackers(accelerator, cfg.tracker, cfg.to_dict(), out, state["run_id"])
 
-    batches = TimedIterator(iter(train_loader(data, cfg, engine.dp_size, engine.dp_rank, start_step, pin_memory=device.type == "cuda")))
+    position, notice = position_for(state.get("data_position"), world, rank)  # a stream's saved position (streaming_data.py)
+    if notice:
+        say(notice)
+    loader = train_loader(data, cfg, engine.dp_size, engine.dp_rank, start_step, pin_memory=device.type == "cuda", stream_state=position)
+    batches = TimedIterator(iter(loader))
     flops_per_token, peak = engine.flops_per_token(), peak_flops(device, accelerator.mixed_precision, cfg.train)
 
     def save_checkpoint(step: int) -> None:
         state["skipped_steps"] = guard.skipped
+        state["data_position"] = gather_positions(loader)  # a collective; None unless the data is a stream
         checkpoint.save(
             engine,
             ckpt_root,
@@ -156,7 +163,7 @@ def run(cfg: Config, config_path: str | None) -> int:
             scheduler,
             state,
             config_yaml,
-            vocab_json,
+            tokenizer_files,
             keep=cfg.checkpoint.keep,
             protect=resume_from,
             keep_best=cfg.checkpoint.keep_best,
