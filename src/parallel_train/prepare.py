@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from parallel_train import faults
 from parallel_train.data import LOCAL_FORMATS, loading_error
 from parallel_train.errors import UserError
 from parallel_train.prepared_data import FORMAT, META, SPLITS, VERSION, read_meta, shard_name, shard_problem, token_dtype
@@ -232,6 +233,8 @@ def tokenize(sources: list[Source], texts: list, tokenizer: Tokenizer, dtype: st
 class ShardWriter:
     """Writes one split as shards of at most `shard_tokens` tokens: each into NAME.tmp, flushed, then renamed."""
 
+    written = 0  # shards written by this process, for fault injection
+
     def __init__(self, folder: Path, split: str, dtype: str, shard_tokens: int):
         self.folder, self.split, self.dtype, self.limit = folder, split, np.dtype(dtype), shard_tokens
         self.shards: list[dict[str, Any]] = []
@@ -260,6 +263,8 @@ class ShardWriter:
         os.replace(self.folder / f"{name}.tmp", self.folder / name)
         self.shards[-1].update(tokens=self._count, bytes=self._count * self.dtype.itemsize, sha256=self._hash.hexdigest())
         self._file = None
+        ShardWriter.written += 1
+        faults.in_prepare(ShardWriter.written)  # test-only: a kill here must leave no dataset that looks complete
 
     def finish(self) -> list[dict[str, Any]]:
         if self._file is not None:

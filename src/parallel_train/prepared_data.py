@@ -59,7 +59,9 @@ def sha256_file(path: Path) -> str:
 
 
 def is_prepared(path: str) -> bool:
-    return Path(path).is_dir() and (Path(path) / META).is_file()
+    """A folder from prepare_data.py, finished or not (an unfinished one is then refused in one line)."""
+    folder = Path(path)
+    return folder.is_dir() and ((folder / META).is_file() or any(folder.glob("train_*.bin")) or (folder / ".prepare-work").exists())
 
 
 # ---------------------------------------------------------------- metadata and verification

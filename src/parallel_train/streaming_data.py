@@ -19,6 +19,7 @@ stopped. What holds and what does not: docs/data.md#streaming.
 
 from __future__ import annotations
 
+import copy
 from collections import deque
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -196,9 +197,11 @@ def column_of(stream: Any, documents: bool, cfg: Config) -> str:
 
 
 def rank_stream(stream: Any, world: int, rank: int) -> Any:
+    """A fresh copy of `stream` (loading a position into a datasets stream sticks to the object), this rank's part."""
     from datasets.distributed import split_dataset_by_node
 
-    return split_dataset_by_node(stream, rank=rank, world_size=world) if world > 1 else stream
+    fresh = copy.deepcopy(stream)
+    return split_dataset_by_node(fresh, rank=rank, world_size=world) if world > 1 else fresh
 
 
 def stream_tokenizer(cfg: Config, saved: Tokenizer | None) -> Tokenizer:
@@ -220,7 +223,7 @@ def load_stream(cfg: Config, saved: Tokenizer | None = None) -> Data:
     train, val, documents = open_splits(cfg)
     column = column_of(train, documents, cfg)
     n_eval = cfg.eval.iters * (cfg.eval.batch_size or cfg.train.batch_size)
-    reader = StreamWindows(lambda: val, tokenizer, documents, column, cfg.model.block_size, 1)
+    reader = StreamWindows(partial(rank_stream, val, 1, 0), tokenizer, documents, column, cfg.model.block_size, 1)
     windows = []
     try:
         while len(windows) < n_eval and reader.epoch == 0:
