@@ -160,13 +160,18 @@ def corpus_tokenizer(spec: str, text: str, saved: Tokenizer | None) -> Tokenizer
     """The tokenizer for an in-memory corpus: the resumed run's (its ids must not shift), else built from the text."""
     if saved is None:
         return load_tokenizer(spec, corpus=lambda: [[text]])
+    check_resumed_tokenizer(saved, spec)
+    return saved
+
+
+def check_resumed_tokenizer(saved: Tokenizer, spec: str) -> None:
+    """The resumed run's tokenizer is what data.tokenizer names (of that kind, for the ones built from the corpus)."""
     if needs_corpus(spec) or spec == "byte":  # char, byte, bpe:N: the saved one must be of that kind
         kind = {"char": "char", "byte": "byte"}.get(spec, "hf")
         if saved.kind != kind:
             raise UserError(f"data.tokenizer: the resumed run used the {saved.kind} tokenizer; resume with data.tokenizer={saved.kind}")
     elif saved.fingerprint != load_tokenizer(spec).fingerprint:
         raise UserError(f"data.tokenizer: the resumed run used another tokenizer than {spec!r}; resume with the one it was started with")
-    return saved
 
 
 def build_datasets(cfg: Config, vocab: Tokenizer | None = None) -> Data:

@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import Dataset
 
 from parallel_train.config import Config
-from parallel_train.data import LOCAL_FORMATS, Data, loading_error, vocab_size_for
+from parallel_train.data import LOCAL_FORMATS, Data, check_resumed_tokenizer, loading_error, vocab_size_for
 from parallel_train.errors import UserError
 from parallel_train.tokenization import Tokenizer, load_tokenizer, needs_corpus
 
@@ -207,6 +207,7 @@ def rank_stream(stream: Any, world: int, rank: int) -> Any:
 def stream_tokenizer(cfg: Config, saved: Tokenizer | None) -> Tokenizer:
     spec = cfg.data.tokenizer
     if saved is not None:
+        check_resumed_tokenizer(saved, spec)
         return saved  # a resumed run keeps its ids
     if needs_corpus(spec):
         raise UserError(
