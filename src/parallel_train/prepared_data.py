@@ -167,6 +167,7 @@ def agree(folder: Path, meta_sha: str | None, problem: str | None) -> None:
         "node": node_rank(),
         "host": socket.gethostname(),
         "rank": int(os.environ.get("RANK", "0")),
+        "path": str(folder / META),
         "meta": meta_sha,
         "problem": problem,
     }
@@ -177,7 +178,7 @@ def agree(folder: Path, meta_sha: str | None, problem: str | None) -> None:
             raise UserError(f"data.path: {where + ': ' if where else ''}{other['problem']}")
         if other["meta"] != everyone[0]["meta"]:
             raise UserError(
-                f"data.path: {where}: {folder / META} differs from rank 0's (another preparation); copy the same prepared folder to every node"
+                f"data.path: {where}: {other['path']} differs from rank 0's (another preparation); copy the same prepared folder to every node"
             )
 
 
