@@ -193,11 +193,12 @@ class TokenShards:
         self.paths, self.dtype = [folder / s["file"] for s in kept], np.dtype(dtype).newbyteorder("<")
         self.starts = np.concatenate([[0], np.cumsum([s["tokens"] for s in kept])]).astype(np.int64).tolist()
         self.total = self.starts[-1]
-        self._maps: list[np.memmap] | None = None
+        self._maps: list[np.ndarray] | None = None
 
-    def _open(self) -> list[np.memmap]:
+    def _open(self) -> list[np.ndarray]:
         if self._maps is None:  # opened lazily in each process (DataLoader workers too)
-            self._maps = [np.memmap(p, dtype=self.dtype, mode="r") for p in self.paths]
+            # Plain array views of the maps: slicing them skips np.memmap's per-slice bookkeeping.
+            self._maps = [np.asarray(np.memmap(p, dtype=self.dtype, mode="r")) for p in self.paths]
         return self._maps
 
     def __getstate__(self) -> dict[str, Any]:  # pickling must not copy the maps' contents
