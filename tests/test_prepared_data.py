@@ -281,3 +281,28 @@ def test_a_stream_resumes_exactly_from_its_saved_position(tmp_path):
             assert torch.equal(x, expected[k][0]) and torch.equal(y, expected[k][1]), (stop, k)
     rank0, rank1 = data.train_stream(2, 0, None), data.train_stream(2, 1, None)
     assert not torch.equal(next(rank0)[0], next(rank1)[0])  # split_dataset_by_node: one file each
+
+
+def test_a_bad_input_found_late_leaves_the_prepared_folder_as_it_was(tmp_path, corpus):
+    """--overwrite with inputs whose text column is missing: found while reading, before anything is replaced."""
+    out = tmp_path / "out"
+    prep(out, [corpus])
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    (tmp_path / "rows.jsonl").write_text('{"body": "x"}\n')
+    with pytest.raises(UserError, match="--text_column: 'text' is not a column"):
+        prep(out, [tmp_path / "rows.jsonl"], overwrite=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    lone = tmp_path / "tok"
+    lone.mkdir()
+    load_tokenizer("byte").save(lone)  # a folder holding only a tokenizer is not ours to clear
+    with pytest.raises(UserError, match="is not empty and holds no prepared data"):
+        prep(lone, [corpus])
+
+
+def test_a_stream_without_the_text_column_says_so(tmp_path):
+    folder = tmp_path / "stream"
+    folder.mkdir()
+    for name in ("train-00000.jsonl", "validation-00000.jsonl"):
+        (folder / name).write_text('{"body": "some text"}\n' * 50)
+    with pytest.raises(UserError, match="data.text_column: 'text' is not a column of .*; columns: body"):
+        load_data(cfg_for(folder, streaming=True, tokenizer="byte"))

@@ -14,20 +14,19 @@ token (or a newline, for char and byte).
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from parallel_train import faults
-from parallel_train.data import LOCAL_FORMATS, loading_error
+from parallel_train.data_inputs import Source, load_source, resolve_inputs
 from parallel_train.errors import UserError
 from parallel_train.prepared_data import FORMAT, META, SPLITS, VERSION, read_meta, shard_name, shard_problem, token_dtype
 from parallel_train.tokenization import HF_FILE, VOCAB_FILE, Tokenizer, bpe_size, load_tokenizer, needs_corpus
@@ -46,111 +45,6 @@ class Options:
     num_proc: int = 1
     shard_tokens: int = 100_000_000
     overwrite: bool = False
-
-
-@dataclass
-class Source:
-    """One group of inputs that `datasets` reads with one builder: text lines, or documents (rows)."""
-
-    label: str  # what the user gave, for messages
-    builder: str  # "text", "json", "csv", "parquet", a folder or a Hub name
-    files: list[str] = field(default_factory=list)
-    documents: bool = True  # False: lines of one continuous text
-
-    def stamp(self) -> list[Any]:
-        """What identifies the inputs cheaply: every file's path, size and modification time (or the Hub name)."""
-        if not self.files:
-            return [self.builder]
-        return [[f, os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in self.files]
-
-
-# ---------------------------------------------------------------- inputs
-
-
-def _local_files(spec: str) -> list[str]:
-    """The files an --input names: a file, a glob, or a folder laid out like a Hub dataset (its train files)."""
-    if any(c in spec for c in "*?["):
-        files = sorted(p for p in glob.glob(spec, recursive=True) if os.path.isfile(p))
-        if not files:
-            raise UserError(f"--input {spec}: no file matches")
-        return files
-    path = Path(spec)
-    if path.is_file():
-        return [str(path)]
-    from datasets.data_files import DataFilesDict, get_data_patterns
-
-    try:
-        patterns = get_data_patterns(str(path))
-        files = [str(f) for f in DataFilesDict.from_patterns(patterns, base_path=str(path)).get("train", [])]
-    except Exception:  # datasets: EmptyDatasetError when nothing in the folder looks like data
-        files = []
-    if not files:
-        raise UserError(f"--input {spec}: no data files in this folder (give .txt/.jsonl/.json/.csv/.parquet files)")
-    return sorted(files)
-
-
-def _check_text_file(path: str, label: str) -> None:
-    """An empty file, or one that is not UTF-8 text, is a one-line error before anything is read."""
-    if os.path.getsize(path) == 0:
-        raise UserError(f"--input {label}: {path} is empty")
-    if LOCAL_FORMATS.get(Path(path).suffix.lower(), "text") == "parquet":
-        return
-    with open(path, "rb") as f:
-        head = f.read(1 << 16)
-    try:
-        head.decode("utf-8")
-    except UnicodeDecodeError as e:
-        if e.start < len(head) - 4:  # not just a character cut at the end of the sample
-            raise UserError(f"--input {label}: {path} is not UTF-8 text (a binary file?)") from None
-    if b"\x00" in head:
-        raise UserError(f"--input {label}: {path} contains NUL bytes; is it a binary file?")
-
-
-def resolve_inputs(inputs: list[str]) -> list[Source]:
-    """Group the inputs by reader: local files by format (in order), Hub names on their own."""
-    sources: list[Source] = []
-    for spec in inputs:
-        path = Path(spec)
-        local = path.exists() or any(c in spec for c in "*?[") or path.suffix.lower() in LOCAL_FORMATS or spec.startswith((".", "/", "~"))
-        if not local:
-            sources.append(Source(spec, spec))  # a Hub dataset name
-            continue
-        if not path.exists() and not any(c in spec for c in "*?["):
-            raise UserError(f"--input {spec}: no such file or folder")
-        for f in _local_files(spec):
-            fmt = LOCAL_FORMATS.get(Path(f).suffix.lower())
-            if fmt is None:
-                raise UserError(f"--input {spec}: {f} is not a .txt/.jsonl/.json/.csv/.parquet file")
-            _check_text_file(f, spec)
-            if sources and sources[-1].builder == fmt and sources[-1].label == spec:
-                sources[-1].files.append(f)
-            else:
-                sources.append(Source(spec, fmt, [f], documents=fmt != "text"))
-    return sources
-
-
-def load_source(src: Source, column: str, cache_dir: Path):
-    """The source as a `datasets.Dataset` with one column, `text`."""
-    import datasets
-
-    try:
-        if src.builder == "text":
-            ds = datasets.load_dataset(
-                "text", data_files=src.files, split="train", sample_by="line", keep_linebreaks=True, cache_dir=str(cache_dir)
-            )
-        elif src.files:
-            ds = datasets.load_dataset(src.builder, data_files=src.files, split="train", cache_dir=str(cache_dir))
-        else:
-            ds = datasets.load_dataset(src.builder, split="train")
-    except UserError:
-        raise
-    except Exception as e:
-        raise loading_error(e, "--input", src.label) from None
-    name = "text" if src.builder == "text" else column
-    if name not in ds.column_names:
-        raise UserError(f"--text_column: {column!r} is not a column of {src.label!r}; columns: {', '.join(ds.column_names)}")
-    ds = ds.select_columns([name])
-    return ds.rename_column(name, "text") if name != "text" else ds
 
 
 # ---------------------------------------------------------------- tokenizing
@@ -272,11 +166,15 @@ class ShardWriter:
         return self.shards
 
 
-def write_shards(tokenized: list, folder: Path, dtype: str, opts: Options, progress) -> dict[str, Any]:
-    """Stream the tokenized rows into train shards, then (the last val_fraction of the tokens) val shards."""
+def count_tokens(tokenized: list) -> int:
     import pyarrow.compute as pc
 
-    total = sum(int(pc.sum(pc.list_value_length(ds.data.column("ids"))).as_py() or 0) for ds in tokenized)
+    return sum(int(pc.sum(pc.list_value_length(ds.data.column("ids"))).as_py() or 0) for ds in tokenized)
+
+
+def write_shards(tokenized: list, folder: Path, dtype: str, opts: Options, progress) -> dict[str, Any]:
+    """Stream the tokenized rows into train shards, then (the last val_fraction of the tokens) val shards."""
+    total = count_tokens(tokenized)
     val_start = total - int(total * opts.val_fraction)
     writers = {s: ShardWriter(folder, s, dtype, opts.shard_tokens) for s in SPLITS}
     chars = {s: 0.0 for s in SPLITS}
@@ -319,7 +217,7 @@ def fingerprint(sources: list[Source], opts: Options) -> str:
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
 
 
-OURS = ("train_*.bin", "val_*.bin", "*.tmp", ".*.tmp", VOCAB_FILE, HF_FILE, META, WORK)
+OURS = ("train_*.bin", "val_*.bin", "*.tmp", ".*.tmp", META, WORK)  # and the tokenizer files, next to these
 
 
 def up_to_date(out: Path, print_fn, inputs_fingerprint: str, overwrite: bool) -> bool:
@@ -343,51 +241,77 @@ def up_to_date(out: Path, print_fn, inputs_fingerprint: str, overwrite: bool) ->
             raise UserError(
                 f"--output {out}: holds data prepared from other inputs or options; choose another --output or pass --overwrite"
             )
-    others = sorted(p.name for p in out.iterdir() if not any(p.match(g) for g in OURS))
+    ours = OURS + ((VOCAB_FILE, HF_FILE) if any(out.glob("train_*.bin")) else ())  # a lone tokenizer.json is not ours
+    others = sorted(p.name for p in out.iterdir() if not any(p.match(g) for g in ours))
     if others:
         raise UserError(f"--output {out}: is not empty and holds no prepared data ({', '.join(others[:3])}); choose an empty or new folder")
     return False
 
 
 def clear(out: Path) -> None:
-    """Invalidate first (the metadata goes), then remove what an earlier or interrupted preparation left."""
+    """Invalidate first (the metadata goes), then remove what an earlier or interrupted preparation left (not the
+    scratch space of this one)."""
     (out / META).unlink(missing_ok=True)
-    for pattern in OURS:
+    for pattern in (*OURS, VOCAB_FILE, HF_FILE):
         for p in out.glob(pattern):
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
+            if p.name != WORK:
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
 def prepare(opts: Options, print_fn=print) -> dict[str, Any] | None:
-    """Prepare `opts.inputs` into `opts.output`; returns the metadata (None when already up to date)."""
-    import datasets
-    from tqdm.auto import tqdm
+    """Prepare `opts.inputs` into `opts.output`; returns the metadata (None when already up to date).
 
+    Everything that can fail on bad input (reading, the text column, the tokenizer, tokenizing) happens in a
+    scratch folder before anything in `opts.output` is removed or replaced."""
     t0 = time.perf_counter()
     sources = resolve_inputs(opts.inputs)
     inputs_fingerprint = fingerprint(sources, opts)
     out = opts.output
     if up_to_date(out, print_fn, inputs_fingerprint, opts.overwrite):
         return None
-    out.mkdir(parents=True, exist_ok=True)
-    clear(out)
+    created = not out.exists()
     work = out / WORK
-    work.mkdir()
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    try:
+        meta = _prepare_into(out, work, sources, inputs_fingerprint, opts)
+    except BaseException:  # a bad input found late: what the folder held stays, the scratch space goes
+        shutil.rmtree(work, ignore_errors=True)
+        if created and not any(out.iterdir()):
+            out.rmdir()
+        raise
+    shutil.rmtree(work, ignore_errors=True)
+    seconds, splits = time.perf_counter() - t0, meta["splits"]
+    meta["prepare_seconds"] = round(seconds, 2)
+    _write_meta(out, meta)  # last: only now is the folder a dataset
+    mb = meta["inputs"]["bytes"] / 1e6
+    print_fn(
+        f"prepared {out}: {splits['train']['tokens'] + splits['val']['tokens']:,} tokens (train {splits['train']['tokens']:,}, "
+        f"val {splits['val']['tokens']:,}) in {sum(len(splits[s]['shards']) for s in SPLITS)} shards, tokenizer {opts.tokenizer} "
+        f"({meta['tokenizer']['vocab_size']:,} ids, {meta['dtype']}); {mb:,.1f} MB of text in {seconds:.1f} s ({mb / seconds:,.1f} MB/s)"
+    )
+    return meta
+
+
+def _prepare_into(out: Path, work: Path, sources: list[Source], inputs_fingerprint: str, opts: Options) -> dict[str, Any]:
+    import datasets
+    from tqdm.auto import tqdm
+
     texts = [load_source(src, opts.text_column, work / "hf") for src in sources]
     if not any(len(ds) for ds in texts):
         raise UserError(f"--input {' '.join(opts.inputs)}: no text (empty)")
     tokenizer = build_tokenizer(opts.tokenizer, texts, opts.num_proc)
     dtype = token_dtype(tokenizer.size)
     tokenized = tokenize(sources, texts, tokenizer, dtype, opts.num_proc, work)
+    if count_tokens(tokenized) == 0:
+        raise UserError(f"--input {' '.join(opts.inputs)}: no text (empty)")
+    clear(out)  # from here on the folder is not a dataset until the metadata is written
     with tqdm(desc="writing shards", unit="tok", unit_scale=True, disable=None) as progress:
         splits = write_shards(tokenized, out, dtype, opts, progress)
-    total = sum(splits[s]["tokens"] for s in SPLITS)
-    if total == 0:
-        raise UserError(f"--input {' '.join(opts.inputs)}: no text (empty)")
     tokenizer.save(out)
     local = all(s.files for s in sources)  # a Hub dataset has no files here: count its characters
     text_bytes = sum(os.path.getsize(f) for s in sources for f in s.files) if local else sum(splits[s]["chars"] for s in SPLITS)
-    seconds = time.perf_counter() - t0
-    meta = {
+    return {
         "format": FORMAT,
         "version": VERSION,
         "tokenizer": {"spec": opts.tokenizer, "kind": tokenizer.kind, "vocab_size": tokenizer.size, "eot": tokenizer.eot,
@@ -396,17 +320,11 @@ def prepare(opts: Options, print_fn=print) -> dict[str, Any] | None:
         "splits": splits,
         "val_fraction": opts.val_fraction,
         "inputs": {"fingerprint": inputs_fingerprint, "given": opts.inputs, "text_column": opts.text_column, "bytes": text_bytes},
-        "prepare_seconds": round(seconds, 2),
         "datasets_version": datasets.__version__,
     }  # fmt: skip
+
+
+def _write_meta(out: Path, meta: dict[str, Any]) -> None:
     tmp = out / f".{META}.tmp"
     tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, out / META)  # last: only now is the folder a dataset
-    shutil.rmtree(work, ignore_errors=True)
-    n_shards = sum(len(splits[s]["shards"]) for s in SPLITS)
-    mb = text_bytes / 1e6
-    print_fn(
-        f"prepared {out}: {total:,} tokens (train {splits['train']['tokens']:,}, val {splits['val']['tokens']:,}) in {n_shards} shards, "
-        f"tokenizer {opts.tokenizer} ({tokenizer.size:,} ids, {dtype}); {mb:,.1f} MB of text in {seconds:.1f} s ({mb / seconds:,.1f} MB/s)"
-    )
-    return meta
+    os.replace(tmp, out / META)

@@ -81,7 +81,9 @@ class StreamWindows:
                 stream.load_state_dict(self._saved)
             before = stream.state_dict()
             for row in stream:
-                text = row.get(self.column)
+                if self.column not in row:  # a json stream says its columns only when read
+                    raise UserError(f"data.text_column: {self.column!r} is not a column of the stream; columns: {', '.join(row)}")
+                text = row[self.column]
                 if text is not None:
                     used, self._skip = self._skip, 0  # after a resume, the first document's first tokens were used already
                     yield self.epoch, before, self._encode(str(text))[used:], used
