@@ -89,24 +89,44 @@ def rss_table(work: Path, sizes: list[int], old_max_mb: int) -> list[dict]:
             shutil.rmtree(run_dir, ignore_errors=True)
             wall, rss, _ = measured([PYTHON, "train.py", f"data.path={path}", f"output_dir={run_dir}", *STEPS5])
             first = json.loads((run_dir / "summary.json").read_text())["time_to_first_step_s"]
-            row[name] = {"wall_s": round(wall, 1), "rss_mb": round(rss), "first_step_s": round(first, 1), "load": round(load(), 2)}
+            row[name] = {"wall_s": round(wall, 1), "rss_mb": round(rss), "first_step_s": round(first, 1), "setup_s": data_setup(path),
+                         "load": round(load(), 2)}  # fmt: skip
             shutil.rmtree(run_dir, ignore_errors=True)
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
 
 
+def data_setup(path: Path) -> float:
+    """Seconds from `load_data` to the first train batch and the eval loader, imports excluded: the part of the
+    start that depends on the data (the rest is importing torch and building the model, the same for both paths)."""
+    out = subprocess.run([PYTHON, "-c", f"""
+import json, sys, time
+sys.path.insert(0, {str(REPO / "src")!r})
+from parallel_train.config import load_config
+from parallel_train.data import train_loader, val_loader
+from parallel_train.data_sources import load_data
+cfg, _ = load_config(["data.path={path}"])
+t = time.perf_counter()
+data = load_data(cfg)
+next(iter(train_loader(data, cfg, 1, 0, 0, pin_memory=False)))
+val_loader(data, cfg)
+print(json.dumps(time.perf_counter() - t))
+"""], cwd=REPO, env=env(), capture_output=True, text=True, check=True)  # fmt: skip
+    return round(json.loads(out.stdout.strip().splitlines()[-1]), 2)
+
+
 def format_rss(rows: list[dict]) -> str:
     lines = [
-        "| corpus | in-memory path: peak RSS | time to first step | prepared: peak RSS | time to first step | prepare once (char, 2 procs) | load |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| corpus | in-memory: peak RSS | first step | data set-up | prepared: peak RSS | first step | data set-up | prepare once (char, 2 procs) | load |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         old, new = r.get("old"), r["prepared"]
-        old_cells = f"{old['rss_mb']:,} MB | {old['first_step_s']} s" if old else "not run (about 16 GB) | -"
+        old_cells = f"{old['rss_mb']:,} MB | {old['first_step_s']} s | {old['setup_s']} s" if old else "not run (about 16 GB) | - | -"
         lines.append(
-            f"| {r['mb']:,} MB | {old_cells} | {new['rss_mb']:,} MB | {new['first_step_s']} s | {r['prepare_s']} s, {r['prepare_rss_mb']:,} MB RSS "
-            f"| {new['load']} |"
+            f"| {r['mb']:,} MB | {old_cells} | {new['rss_mb']:,} MB | {new['first_step_s']} s | {new['setup_s']} s | {r['prepare_s']} s, "
+            f"{r['prepare_rss_mb']:,} MB RSS | {new['load']} |"
         )
     return "\n".join(lines)
 

@@ -86,7 +86,7 @@ def read_meta(folder: Path) -> tuple[dict[str, Any], str]:
             for s in meta["splits"][split]["shards"]:
                 assert s["bytes"] == s["tokens"] * np.dtype(meta["dtype"]).itemsize, f"{s['file']} size"
             assert sum(s["tokens"] for s in meta["splits"][split]["shards"]) == meta["splits"][split]["tokens"], f"{split} tokens"
-        meta["tokenizer"]["fingerprint"], meta["tokenizer"]["vocab_size"]
+        assert isinstance(meta["tokenizer"]["fingerprint"], str) and isinstance(meta["tokenizer"]["vocab_size"], int), "tokenizer"
     except (AssertionError, KeyError, TypeError, ValueError) as e:
         raise UserError(
             f"data.path: {path} is not a valid {FORMAT} file ({type(e).__name__}: {e}); {PREPARE_HINT.format(folder=folder)}"
@@ -158,7 +158,13 @@ def check_folder(folder: Path, verify: str) -> tuple[dict[str, Any] | None, str 
     except UserError as e:
         return None, None, str(e).removeprefix("data.path: ")
     full = wants_full_hash(verify, meta) and int(os.environ.get("LOCAL_RANK", "0")) == 0  # one hash per node
-    return meta, meta_sha, shard_problem(folder, meta, full)
+    problem = shard_problem(folder, meta, full)
+    if problem is None:
+        try:
+            tokenizer_of(folder, meta)
+        except UserError as e:
+            problem = str(e).removeprefix("data.path: ")
+    return meta, meta_sha, problem
 
 
 def agree(folder: Path, meta_sha: str | None, problem: str | None) -> None:

@@ -42,9 +42,16 @@ class StreamWindows:
     """Windows of T + 1 tokens at stride T from a stream of documents, batched, with a resumable position."""
 
     def __init__(
-        self, make_stream: Callable[[], Any], tokenizer: Tokenizer, documents: bool, column: str, block_size: int, batch_size: int
+        self,
+        make_stream: Callable[[], Any],
+        tokenizer: Tokenizer,
+        documents: bool,
+        column: str,
+        block_size: int,
+        batch_size: int,
+        what: str = "this rank's part of the stream",  # for the error when it holds no text
     ):
-        self.make_stream, self.tokenizer, self.documents, self.column = make_stream, tokenizer, documents, column
+        self.make_stream, self.tokenizer, self.documents, self.column, self.what = make_stream, tokenizer, documents, column, what
         self.T, self.B = block_size, batch_size
         self.epoch, self._saved, self._skip = 0, None, 0  # where the next pass starts
         self._docs: Iterator | None = None
@@ -90,7 +97,7 @@ class StreamWindows:
                     produced = True
                 before = stream.state_dict()
             if not produced and self._saved is None:
-                raise UserError("data.path: the stream holds no text for this rank; give more files or fewer processes")
+                raise UserError(f"data.path: {self.what} holds no text in data.text_column={self.column!r}")
             self.epoch, self._saved, self._skip = self.epoch + 1, None, 0
 
     def _pull(self) -> None:
@@ -226,17 +233,15 @@ def load_stream(cfg: Config, saved: Tokenizer | None = None) -> Data:
     train, val, documents = open_splits(cfg)
     column = column_of(train, documents, cfg)
     n_eval = cfg.eval.iters * (cfg.eval.batch_size or cfg.train.batch_size)
-    reader = StreamWindows(partial(rank_stream, val, 1, 0), tokenizer, documents, column, cfg.model.block_size, 1)
+    what = f"the validation split of {cfg.data.path!r}"
+    reader = StreamWindows(partial(rank_stream, val, 1, 0), tokenizer, documents, column, cfg.model.block_size, 1, what)
     windows = []
-    try:
-        while len(windows) < n_eval and reader.epoch == 0:
-            windows.append(reader.window())
-    except UserError:
-        pass
+    while len(windows) < n_eval and reader.epoch == 0:
+        windows.append(reader.window())
     if reader.epoch > 0:  # the window that crossed into a second pass repeats the start
         windows = windows[:-1]
     if not windows:
-        raise UserError(f"data.path: the validation split of {cfg.data.path!r} is shorter than model.block_size + 1 tokens")
+        raise UserError(f"data.path: {what} is shorter than model.block_size + 1 tokens")
 
     def train_stream(world: int, rank: int, position: dict[str, Any] | None) -> StreamWindows:
         batches = StreamWindows(
