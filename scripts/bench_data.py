@@ -18,7 +18,8 @@
    (tiktoken downloads its files; there is no network here). The text is a jsonl of 4 KB documents.
 3. datatime: data_time_frac (the share of a step spent waiting for the batch) on prepared data, for the
    baseline config and for a 124M-shaped GPT (configs/gpt2_124m.yaml at batch 2, fp32, no compile: on CPU a
-   step takes seconds, so the absolute wait per step is the figure to carry to a GPU).
+   step takes seconds, so the absolute wait per step is the figure to carry to a GPU), one thread each; and the
+   train loader alone (no model) at each config's micro-batch, prepared and in memory.
 Writes WORK/bench_data.json and prints the tables; the corpora are deleted at the end unless --keep.
 """
 
@@ -45,10 +46,11 @@ def env() -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
 
 
-def measured(cmd: list[str], timeout: float = 3600) -> tuple[float, float, str]:
+def measured(cmd: list[str], timeout: float = 3600, threads: int | None = None) -> tuple[float, float, str]:
     """(wall seconds, peak RSS of the process in MB, its output): wait4 reports the child's own maximum RSS."""
     t = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    environment = {**env(), "OMP_NUM_THREADS": str(threads)} if threads else env()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + timeout
     out = proc.stdout.read()  # until the process closes it (it exits)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -256,7 +258,8 @@ def datatime_table(work: Path) -> list[dict]:
                 "tracker=none",
                 "checkpoint.interval=0",
                 "resume=none",
-            ]
+            ],
+            threads=1,  # on a shared machine two spin-waiting threads make every step erratic
         )
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"train"' in line][
             1:
@@ -266,28 +269,34 @@ def datatime_table(work: Path) -> list[dict]:
         rows.append({"cell": name, "data_time_frac": frac, "step_s": step, "wait_ms": frac * step * 1000, "load": round(load(), 2)})
         print(json.dumps(rows[-1]), flush=True)
         shutil.rmtree(run_dir, ignore_errors=True)
-    rows.append(loader_alone(big))
+    baseline = ["--config", "configs/shakespeare_char_cpu.yaml"]
+    rows.append(loader_alone("baseline, prepared", [*baseline, f"data.path={prepared}"]))
+    rows.append(loader_alone("baseline, in memory (the default job)", baseline))
+    rows.append(loader_alone("124M, prepared (rank 3 of 8)", ["--config", "configs/gpt2_124m.yaml", f"data.path={big}"], 8, 3, 300))
     return rows
 
 
-def loader_alone(prepared: Path, batches: int = 300) -> dict:
-    """The train loader by itself, at the 124M config's micro-batch (16 windows of 1025 tokens): what a GPU step waits."""
+def loader_alone(label: str, args: list[str], world: int = 1, rank: int = 0, batches: int = 1000) -> dict:
+    """The train loader by itself (no model): milliseconds per micro-batch, median of 3 rounds."""
     out = subprocess.run([PYTHON, "-c", f"""
-import json, sys, time
+import json, statistics, sys, time
 sys.path.insert(0, {str(REPO / "src")!r})
 from parallel_train.config import load_config
 from parallel_train.data import train_loader
-from parallel_train.prepared_data import load_prepared
-cfg, _ = load_config(["--config", "configs/gpt2_124m.yaml", "data.path={prepared}"])
-it = iter(train_loader(load_prepared(cfg), cfg, 8, 3, 1000, pin_memory=False))
+from parallel_train.data_sources import load_data
+cfg, _ = load_config({args!r})
+it = iter(train_loader(load_data(cfg), cfg, {world}, {rank}, 1000, pin_memory=False))
 next(it)
-t = time.perf_counter()
-for _ in range({batches}):
-    x, y = next(it)
-print(json.dumps({{"ms": (time.perf_counter() - t) / {batches} * 1000, "shape": list(x.shape)}}))
-"""], cwd=REPO, env=env(), capture_output=True, text=True, check=True)  # fmt: skip
+rounds = []
+for _ in range(3):
+    t = time.perf_counter()
+    for _ in range({batches}):
+        x, y = next(it)
+    rounds.append((time.perf_counter() - t) / {batches} * 1000)
+print(json.dumps({{"ms": statistics.median(rounds), "shape": list(x.shape)}}))
+"""], cwd=REPO, env={**env(), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, check=True)  # fmt: skip
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    row = {"cell": f"the train loader alone, 124M micro-batch {result['shape'][0]} x {result['shape'][1] + 1} tokens (rank 3 of 8)",
+    row = {"cell": f"{label}: the train loader alone, batches of {result['shape'][0]} x {result['shape'][1] + 1} tokens",
            "data_time_frac": None, "step_s": None, "wait_ms": result["ms"], "load": round(load(), 2)}  # fmt: skip
     print(json.dumps(row), flush=True)
     return row
