@@ -306,3 +306,24 @@ def test_a_stream_without_the_text_column_says_so(tmp_path):
         (folder / name).write_text('{"body": "some text"}\n' * 50)
     with pytest.raises(UserError, match="data.text_column: 'text' is not a column of .*; columns: body"):
         load_data(cfg_for(folder, streaming=True, tokenizer="byte"))
+
+
+def test_a_stream_resumed_twice_inside_one_long_document_continues_exactly(tmp_path):
+    """The position saved right after a resume, while the resumed document is still being read, must be the
+    resumed one (a datasets stream reports its initial state until it is iterated)."""
+    folder = tmp_path / "stream"
+    folder.mkdir()
+    for name in ("train-00000.jsonl", "validation-00000.jsonl"):
+        (folder / name).write_text("".join(json.dumps({"text": " ".join(f"w{i}.{j}" for j in range(60))}) + "\n" for i in range(6)))
+    cfg = cfg_for(folder, block_size=16, streaming=True, tokenizer="byte")
+    cfg.train.batch_size, cfg.eval.iters = 1, 1
+    data = load_data(cfg)
+    whole = data.train_stream(1, 0, None)
+    expected = [next(whole)[0] for _ in range(60)]
+    first = data.train_stream(1, 0, None)
+    for _ in range(25):  # inside the second document (about 21 windows each): windows differ between documents
+        next(first)
+    second = data.train_stream(1, 0, json.loads(json.dumps(first.state_dict())))
+    next(second)  # still inside that document
+    third = data.train_stream(1, 0, json.loads(json.dumps(second.state_dict())))
+    assert all(torch.equal(next(third)[0], expected[k]) for k in range(26, 40))

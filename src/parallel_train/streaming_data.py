@@ -86,7 +86,8 @@ class StreamWindows:
             stream, produced = self.make_stream(), False
             if self._saved is not None:
                 stream.load_state_dict(self._saved)
-            before = stream.state_dict()
+            # Until it is iterated, a datasets stream reports its initial state, not a loaded one.
+            before = self._saved if self._saved is not None else stream.state_dict()
             for row in stream:
                 if self.column not in row:  # a json stream says its columns only when read
                     raise UserError(f"data.text_column: {self.column!r} is not a column of the stream; columns: {', '.join(row)}")
