@@ -103,3 +103,20 @@ def test_what_cannot_be_loaded_is_one_line(tmp_path, monkeypatch):
         load_tokenizer(str(tmp_path / "tokenizer.json"))
     with pytest.raises(UserError, match="could be loaded"):
         load_tokenizer("no-such-org/no-such-tokenizer-xyz")
+
+
+def test_the_in_memory_corpus_takes_every_kind_and_keeps_a_resumed_runs(tmp_path, bpe):
+    from parallel_train.config import Config
+    from parallel_train.data import build_datasets
+
+    (tmp_path / "c.txt").write_text(TEXT)
+    cfg = Config()
+    cfg.data.path, cfg.data.tokenizer, cfg.model.block_size = str(tmp_path / "c.txt"), "bpe:300", 8
+    data = build_datasets(cfg)
+    assert isinstance(data.vocab, HFTokenizer) and data.vocab.size == data.vocab_size == 300
+    assert build_datasets(cfg, bpe).vocab is bpe  # a resumed run keeps its ids
+    with pytest.raises(UserError, match="the resumed run used the char tokenizer; resume with data.tokenizer=char"):
+        build_datasets(cfg, CharVocab.from_text(TEXT))
+    cfg.data.tokenizer = "char"
+    with pytest.raises(UserError, match="resume with data.tokenizer=the bpe:N or tokenizer.json it was started with"):
+        build_datasets(cfg, bpe)

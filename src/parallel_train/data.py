@@ -169,7 +169,8 @@ def check_resumed_tokenizer(saved: Tokenizer, spec: str) -> None:
     if needs_corpus(spec) or spec == "byte":  # char, byte, bpe:N: the saved one must be of that kind
         kind = {"char": "char", "byte": "byte"}.get(spec, "hf")
         if saved.kind != kind:
-            raise UserError(f"data.tokenizer: the resumed run used the {saved.kind} tokenizer; resume with data.tokenizer={saved.kind}")
+            used = saved.kind if saved.kind != "hf" else "the bpe:N or tokenizer.json it was started with"
+            raise UserError(f"data.tokenizer: the resumed run used the {saved.kind} tokenizer; resume with data.tokenizer={used}")
     elif saved.fingerprint != load_tokenizer(spec).fingerprint:
         raise UserError(f"data.tokenizer: the resumed run used another tokenizer than {spec!r}; resume with the one it was started with")
 
