@@ -80,13 +80,13 @@ def _procs(ds, num_proc: int) -> int | None:
 class Encoder:
     """The map function: a batch of rows -> one row of token ids (and the number of characters they hold)."""
 
-    def __init__(self, tokenizer: Tokenizer, documents: bool, dtype: str):
-        self.tokenizer, self.documents, self.dtype = tokenizer, documents, dtype
+    def __init__(self, tokenizer: Tokenizer, documents: bool, dtype: str, label: str = "the input"):
+        self.tokenizer, self.documents, self.dtype, self.label = tokenizer, documents, dtype, label
 
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
         texts = [str(t) for t in batch["text"] if t is not None]
         if any("\x00" in t for t in texts):
-            raise UserError("the input contains NUL bytes; is it a binary file?")
+            raise UserError(f"--input {self.label}: contains NUL bytes; is it a binary file?")
         tok, eot = self.tokenizer, self.tokenizer.eot
         if self.documents and eot is None:  # char, byte: a newline ends every document
             texts = [t if t.endswith("\n") else t + "\n" for t in texts]
@@ -108,7 +108,7 @@ def tokenize(sources: list[Source], texts: list, tokenizer: Tokenizer, dtype: st
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     return [
         ds.map(
-            Encoder(tokenizer, src.documents, dtype),
+            Encoder(tokenizer, src.documents, dtype, src.label),
             batched=True,
             batch_size=BATCH_ROWS,
             num_proc=_procs(ds, num_proc),
@@ -328,5 +328,8 @@ def _prepare_into(out: Path, work: Path, sources: list[Source], inputs_fingerpri
 
 def _write_meta(out: Path, meta: dict[str, Any]) -> None:
     tmp = out / f".{META}.tmp"
-    tmp.write_text(json.dumps(meta, indent=1))
+    with open(tmp, "w") as f:
+        f.write(json.dumps(meta, indent=1))
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, out / META)
