@@ -327,3 +327,18 @@ def test_a_stream_resumed_twice_inside_one_long_document_continues_exactly(tmp_p
     next(second)  # still inside that document
     third = data.train_stream(1, 0, json.loads(json.dumps(second.state_dict())))
     assert all(torch.equal(next(third)[0], expected[k]) for k in range(26, 40))
+
+
+def test_a_vocabulary_over_65536_ids_is_written_and_read_as_uint32(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = [f"w{i}" for i in range(70_000)]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)} | {"[UNK]": 70_000}, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "c.txt").write_text(" ".join(words[i * 997 % 70_000] for i in range(5000)) + "\n")
+    meta = prep(tmp_path / "out", [tmp_path / "c.txt"], tokenizer=str(tmp_path / "tokenizer.json"))
+    assert meta["dtype"] == "uint32" and meta["tokenizer"]["vocab_size"] == 70_001
+    data = load_data(cfg_for(tmp_path / "out", block_size=8))
+    x, _ = data.train_set.__getitems__([0])
+    assert x[0, :3].tolist() == [0, 997, 1994] and data.vocab_size == 70_001
