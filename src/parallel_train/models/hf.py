@@ -105,6 +105,17 @@ class HFCausalLM(nn.Module):
             return self.hf(input_ids=x, use_cache=False).logits
         return hf_layouts.run_decoder(self, self.layout, self.hf.config, x)
 
+    # What accelerate's FSDP2 preparation asks of a transformers model (its embeddings get FSDP units of their own).
+    def get_input_embeddings(self) -> nn.Module:
+        return self.hf.get_input_embeddings()
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        return self.hf.get_output_embeddings()
+
+    def tie_weights(self) -> None:
+        if self.tied:
+            self.hf.tie_weights()
+
     def decoder_layers(self) -> list[nn.Module]:
         """The modules FSDP shards one by one: every instance of the classes in `_no_split_modules`."""
         return [m for m in self.modules() if type(m).__name__ in self._no_split_modules]
