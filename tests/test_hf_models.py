@@ -262,7 +262,8 @@ def assert_same_training(out, ref, atol=1e-4):
 @pytest.mark.multiprocess
 def test_ddp_two_processes_equal_one_then_export_and_sample(folders, reference):
     """2 processes x batch 2 = the reference's 4 samples per step. The run's hf/ folder loads in transformers with
-    the logits of its model.safetensors, and scripts/sample.py generates from the run."""
+    the logits of its model.safetensors, scripts/sample.py generates from the run, and scripts/export_hf.py exports
+    a checkpoint."""
     out, env = reference / "ddp", launch_env(reference)
     result = check(run(torchrun_cmd(2, *RUN, "train.batch_size=2", f"model.hf_path={folders['llama']}", f"output_dir={out}"), env=env))
     assert "engine: data parallel" in result.output and f"Hugging Face model folder: {out / 'hf'}" in result.output
@@ -273,6 +274,12 @@ def test_ddp_two_processes_equal_one_then_export_and_sample(folders, reference):
     torch.testing.assert_close(exported(tokens()).logits, model(tokens()), rtol=0, atol=0)
     sample = check(run([PYTHON, "scripts/sample.py", "--run", str(out), "--max_new_tokens", "20", "--prompt", "ROMEO:"], env=env))
     assert sample.stdout.startswith("ROMEO:") and len(sample.stdout.encode()) >= len("ROMEO:") + 10
+    step3, folder = out / "checkpoints" / "step_0000003", reference / "step3_hf"  # any checkpoint exports the same way
+    check(run([PYTHON, "scripts/export_hf.py", str(step3), str(folder)], env=env))
+    model.load_state_dict(load_file(str(step3 / "model.safetensors")))
+    exported = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    torch.testing.assert_close(exported(tokens()).logits, model(tokens()), rtol=0, atol=0)
+    assert transformers.AutoTokenizer.from_pretrained(folder)("ROMEO").input_ids == list(b"ROMEO")
 
 
 @pytest.mark.multiprocess
@@ -358,3 +365,20 @@ def test_gpt2_tied_trains_under_ddp_and_refuses_a_pipeline(folders, tmp_path):
     assert exported.lm_head.weight.data_ptr() == exported.transformer.wte.weight.data_ptr()
     refused = run(torchrun_cmd(2, *gpt2, "parallel.pipeline_stages=2", f"output_dir={tmp_path / 'pp'}"), env=launch_env(tmp_path))
     assert refused.returncode != 0 and "set model.untie_embeddings=true" in refused.stderr, refused.output[-2000:]
+
+
+def test_the_guide_commands_are_valid_configs():
+    """docs/guide.md section 4's commands need the Hub and GPUs: their keys and values are checked here instead."""
+    import shlex
+
+    from helpers import doc_section
+    from parallel_train.config import load_config
+
+    commands = [
+        line for line in doc_section("guide", "4. Fine-tune a model from the Hub").splitlines() if "model.name=hf model.hf_path=" in line
+    ]
+    assert len(commands) == 3
+    for line in commands:
+        overrides = [a for a in shlex.split(line, comments=True) if "=" in a and a.split("=")[0].islower() and not a.startswith("-")]
+        cfg, _ = load_config(overrides)
+        assert cfg.model.name == "hf" and cfg.model.hf_path and cfg.model.block_size >= 1024
