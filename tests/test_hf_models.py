@@ -4,7 +4,7 @@ Tiny models are made here (tests/hf_tiny.py: a Llama and a GPT-2, 2 layers, 64 w
 the shipped corpus) and saved with save_pretrained, as a model from the Hub would be. In process: the pipeline
 layouts equal each family's own forward, stages in sequence equal the whole model, tied embeddings, export, and
 the one-line errors. Real launches: 2-process DDP equal to one process, then its export and sample.py; two
-pipeline stages equal to the unsplit model; SIGKILL and a bit-identical resume; FSDP2 on CPU.
+pipeline stages equal to the unsplit model; SIGKILL and a bit-identical resume; FSDP2 and tensor parallel on CPU.
 """
 
 from __future__ import annotations
@@ -156,12 +156,24 @@ def test_model_without_a_layout_trains_whole_and_refuses_a_split(tmp_path):
 
 
 def test_sharding_engines_get_the_decoder_layers_and_the_tp_plan(folders):
+    """What FSDP wraps (the model's _no_split_modules) and how tensor parallelism cuts it (transformers' own plan,
+    as torch styles over the modules a model or a pipeline stage holds); one-line refusals where it cannot."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
     llama = adapter(folders["llama"])
     assert llama._no_split_modules == ["LlamaDecoderLayer"]
     assert [type(m).__name__ for m in llama.decoder_layers()] == ["LlamaDecoderLayer"] * 2
-    assert llama.tp_plan["model.layers.*.self_attn.q_proj"] == "colwise"  # names as in named_modules()
-    modules = dict(llama.named_modules())
-    assert "model.layers.0.self_attn.q_proj" in modules and "lm_head" in llama.tp_plan
+    plan = llama.tensor_parallel_plan(2)
+    assert len(plan) == 2 + 2 * 7 and isinstance(plan["model.layers.1.self_attn.k_proj"], ColwiseParallel)
+    assert isinstance(plan["model.layers.0.mlp.down_proj"], RowwiseParallel) and isinstance(plan["model.embed_tokens"], RowwiseParallel)
+    stage = stage_module(llama, plan_stages(llama, 2)[1])
+    assert sorted({name.split(".")[2] for name in stage.tensor_parallel_plan(2) if name.startswith("model.layers.")}) == ["1"]
+    with pytest.raises(UserError, match="parallel.tp=3 does not divide the 4 attention heads and 2 key/value heads"):
+        llama.tensor_parallel_plan(3)
+    with pytest.raises(UserError, match="ties lm_head to its input embedding.*set model.untie_embeddings=true"):
+        adapter(folders["gpt2"]).tensor_parallel_plan(2)
+    with pytest.raises(UserError, match=r"\(gpt2\) has no tensor-parallel plan in transformers; shard it with FSDP"):
+        adapter(folders["gpt2"], untie_embeddings=True).tensor_parallel_plan(2)
     assert llama.flops_per_token() > 6 * sum(p.numel() for p in llama.model.layers.parameters())
 
 
@@ -311,21 +323,13 @@ def test_sigkill_then_resume_is_bit_identical(folders, reference):
 
 
 @pytest.mark.multiprocess
-def test_fsdp2_shards_llama_and_gpt2_on_cpu(folders, tmp_path):
-    """fully_shard over each decoder layer then the root, on gloo: see tests/hf_fsdp_worker.py for the checks."""
-    cmd = [
-        TORCHRUN,
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        str(free_port()),
-        "tests/hf_fsdp_worker.py",
-        str(folders["llama"]),
-        str(folders["gpt2"]),
-    ]
-    result = check(run(cmd, env=launch_env(tmp_path), timeout=300))
-    for name in ("llama", "gpt2"):
-        assert all(f"hf fsdp {name} rank {r}/2 ok" in result.stdout for r in (0, 1)), result.output[-2000:]
+def test_fsdp2_and_tensor_parallel_on_cpu(folders, tmp_path):
+    """fully_shard over each decoder layer then the root (Llama, GPT-2), and the Llama cut by its own tensor-parallel
+    plan, on gloo: see tests/hf_sharding_worker.py for the checks."""
+    cmd = [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()), "tests/hf_sharding_worker.py"]
+    result = check(run([*cmd, str(folders["llama"]), str(folders["gpt2"])], env=launch_env(tmp_path), timeout=300))
+    for what in ("fsdp llama", "fsdp gpt2", "tp llama"):
+        assert all(f"hf {what} rank {r}/2 ok" in result.stdout for r in (0, 1)), result.output[-2000:]
 
 
 def test_bad_model_through_train_py_is_one_line_exit_2(tmp_path):

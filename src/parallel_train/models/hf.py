@@ -11,8 +11,9 @@
 - `pipeline_units()`: the parts in forward order (embeddings, each decoder layer, final norm, lm_head) for the
   pipeline splitter, which sets the parts a stage does not hold to None; `forward` then runs only the others
   (hf_layouts.py: Llama-, Mistral-, Qwen- and GPT-2-style decoders);
-- `_no_split_modules` (the decoder layer class: the unit FSDP wraps; accelerate reads it too) and `tp_plan`
-  (the model's tensor-parallel plan, in transformers' style names) for the sharding engines.
+- `_no_split_modules` (the decoder layer class: the unit FSDP wraps; accelerate reads it too; `decoder_layers()`
+  lists them) and `tensor_parallel_plan(tp)` (transformers' own plan for the model, as torch ParallelStyles) for
+  the sharding engines.
 
 Tied embeddings (GPT-2, some Llamas: lm_head.weight is the input embedding): kept tied under data parallelism
 and FSDP, exactly as transformers trains them. A pipeline split would put that one weight in the first and the
@@ -32,7 +33,7 @@ from torch import nn
 from parallel_train.config_fields import check, opt
 from parallel_train.errors import UserError
 from parallel_train.model_config import ModelConfig
-from parallel_train.models import hf_export, hf_layouts, hf_loading
+from parallel_train.models import hf_export, hf_layouts, hf_loading, hf_tensor_parallel
 
 
 @dataclass
@@ -119,6 +120,17 @@ class HFCausalLM(nn.Module):
     def decoder_layers(self) -> list[nn.Module]:
         """The modules FSDP shards one by one: every instance of the classes in `_no_split_modules`."""
         return [m for m in self.modules() if type(m).__name__ in self._no_split_modules]
+
+    def tensor_parallel_plan(self, tp: int) -> dict[str, Any]:
+        """How `parallel.tp` ranks cut this model, for `parallelize_module`: transformers' own plan for it, in torch
+        ParallelStyles, over the modules this model (or pipeline stage) holds (hf_tensor_parallel.py)."""
+        what = f"model.hf_path {self.hf_path!r}"
+        if self.tied:
+            raise UserError(
+                f"parallel.tp={tp}: {what} ties lm_head to its input embedding, which tensor parallelism cuts two ways; "
+                "set model.untie_embeddings=true (lm_head gets its own copy)"
+            )
+        return hf_tensor_parallel.tensor_parallel_plan(self, self.tp_plan, self.hf.config, tp, what)
 
     def pipeline_units(self) -> dict[str, nn.Module]:
         """The parts the pipeline splitter cuts between, in forward order (pipeline/split.py)."""

@@ -1,10 +1,13 @@
-"""Run under `torchrun --nproc-per-node 2 tests/hf_fsdp_worker.py MODEL_FOLDER...`: FSDP2 (`fully_shard`) of a
-model.name=hf model on CPU/gloo, checked against an unsharded copy.
+"""Run under `torchrun --nproc-per-node 2 tests/hf_sharding_worker.py MODEL_FOLDER...`: FSDP2 (`fully_shard`) and
+tensor parallelism (`parallelize_module`) of model.name=hf models on CPU/gloo, checked against unsharded copies.
 
-Each decoder layer (the adapter's `decoder_layers()`, read from the model's `_no_split_modules`) is its own FSDP
-unit, then the root: what an FSDP2 engine does, and accelerate's fsdp.yaml on GPUs. Checks that two sharded steps
-equal the unsharded ones, that the whole state dict comes back with the model's own names (a tied weight once),
-and that it loads into a fresh sharded model that then continues exactly.
+FSDP2: each decoder layer (the adapter's `decoder_layers()`, read from the model's `_no_split_modules`) is its own
+FSDP unit, then the root: what an FSDP2 engine does, and accelerate's fsdp.yaml on GPUs. Checks that two sharded
+steps equal the unsharded ones, that the whole state dict comes back with the model's own names (a tied weight
+once), and that it loads into a fresh sharded model that then continues exactly.
+Tensor parallel (models with a plan in transformers: the Llama): the adapter's `tensor_parallel_plan(2)` cuts
+every attention and MLP projection, the embedding and lm_head over the 2 ranks; both ranks see the whole batch;
+logits and two training steps equal the unsharded model's.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
+from torch.distributed.tensor.parallel import parallelize_module  # noqa: E402
 
 from parallel_train.dtensor_state import is_sharded, load_full_state_dict, to_full  # noqa: E402
 from parallel_train.losses import loss_fn  # noqa: E402
@@ -89,10 +93,33 @@ def check(folder: str, rank: int, world: int) -> None:
     print(f"hf fsdp {reference.config.model_type} rank {rank}/{world} ok", flush=True)
 
 
+def check_tensor_parallel(folder: str, rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    reference = build(folder)
+    plan = reference.tensor_parallel_plan(world)
+    assert {"model.embed_tokens", "model.layers.1.self_attn.q_proj", "model.layers.0.mlp.down_proj", "lm_head"} <= plan.keys()
+    cut = parallelize_module(copy.deepcopy(reference), mesh, plan)
+    q = cut.model.layers[0].self_attn.q_proj.weight
+    assert is_sharded(q) and q.to_local().shape[0] == q.shape[0] // world  # each rank: half the heads' rows
+    ref_opt = torch.optim.AdamW(reference.parameters(), **ADAM)
+    opt = torch.optim.AdamW(cut.parameters(), **ADAM)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        batch = torch.randint(0, VOCAB, (B, T + 1), generator=g)  # the same batch on both ranks
+        torch.testing.assert_close(cut(batch[:, :-1]), reference(batch[:, :-1]), rtol=1e-4, atol=1e-5)
+        step(reference, ref_opt, batch[:, :-1], batch[:, 1:])
+        step(cut, opt, batch[:, :-1], batch[:, 1:])
+    for (name, p), ref in zip(cut.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(to_full(p), ref, rtol=1e-4, atol=1e-5, msg=name)
+    print(f"hf tp {reference.config.model_type} rank {rank}/{world} ok", flush=True)
+
+
 def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))  # a failed rank must not hang the other
     for folder in sys.argv[1:]:
         check(folder, dist.get_rank(), dist.get_world_size())
+        if "llama" in folder:  # GPT-2 has no plan in transformers (and ties its embeddings)
+            check_tensor_parallel(folder, dist.get_rank(), dist.get_world_size())
         gc.collect()  # free the sharded models before the process group goes (see tests/fsdp_worker.py)
     dist.destroy_process_group()
 
