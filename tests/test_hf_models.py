@@ -177,6 +177,18 @@ def test_sharding_engines_get_the_decoder_layers_and_the_tp_plan(folders):
     assert llama.flops_per_token() > 6 * sum(p.numel() for p in llama.model.layers.parameters())
 
 
+def test_activation_checkpointing_recomputes_each_layer_in_backward(folders):
+    model = adapter(folders["llama"], activation_checkpointing=True)
+    calls = []
+    model.model.layers[0].mlp.gate_proj.register_forward_hook(lambda *args: calls.append(1))
+    plain = adapter(folders["llama"])
+    model(tokens()).square().mean().backward()
+    plain(tokens()).square().mean().backward()
+    assert len(calls) == 2  # once forward, once again in backward
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
 def test_export_loads_in_transformers_with_equal_logits(folders, tmp_path):
     """The export (what a run writes to output_dir/hf) loads with from_pretrained; the logits equal the trained
     model's; the byte tokenizer loads with AutoTokenizer and gives one id per byte."""

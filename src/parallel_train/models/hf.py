@@ -80,7 +80,7 @@ class HFCausalLM(nn.Module):
             hf.lm_head.weight = nn.Parameter(hf.lm_head.weight.detach().clone())
             hf.config.get_text_config().tie_word_embeddings = False
         if cfg.activation_checkpointing:
-            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         hf.config.use_cache = False  # training: no key/value cache
         # Not a submodule: its children are, below, under their own names (so parameter names are its own).
         self.__dict__["hf"] = hf
@@ -95,6 +95,7 @@ class HFCausalLM(nn.Module):
         self.tied = tied_aliases(hf)
         self._register_state_dict_hook(_drop_aliases)
         self.register_load_state_dict_post_hook(_aliases_not_missing)
+        self.train()  # from_pretrained returns the model in eval mode: no dropout, no activation checkpointing
 
     @property
     def config(self) -> Any:
