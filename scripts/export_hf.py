@@ -3,6 +3,7 @@
 
     python scripts/export_hf.py runs/my_finetune                                   # -> runs/my_finetune/hf
     python scripts/export_hf.py runs/my_finetune/checkpoints/step_0001000 exported/step1000
+    python scripts/export_hf.py runs/my_finetune exported/bf16 --dtype bfloat16              # half the size
 
 The folder holds config.json, model.safetensors (the trained weights under the model's own names) and the run's
 tokenizer files, so that `AutoModelForCausalLM.from_pretrained(OUT)` and `AutoTokenizer.from_pretrained(OUT)`
@@ -30,6 +31,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p = Parser(description="Export a model.name=hf run or checkpoint as a Hugging Face model folder.")
     p.add_argument("source", type=Path, help="a run's output_dir (its final weights) or a checkpoints/step_* folder")
     p.add_argument("out", type=Path, nargs="?", help="the folder to write (default: SOURCE/hf); replaced if it exists")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), help="dtype of the exported weights (default: the run's model.dtype)")
     return p.parse_args(argv)
 
 
@@ -69,7 +71,8 @@ def main() -> int:
         raise UserError(f"{args.source} trained model.name={cfg.model.name}; this script exports model.name=hf runs")
     vocab = args.source / "vocab.json"
     tokenizer = load_vocab(vocab) if vocab.is_file() else None
-    print(export_pretrained(cfg.model, load_tensors(weights), args.out or args.source / "hf", tokenizer, source=str(weights)))
+    out = args.out or args.source / "hf"
+    print(export_pretrained(cfg.model, load_tensors(weights), out, tokenizer, source=str(weights), dtype=args.dtype))
     return 0
 
 

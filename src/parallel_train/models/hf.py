@@ -158,9 +158,12 @@ class HFCausalLM(nn.Module):
         return units
 
     def flops_per_token(self) -> int:
-        """Training FLOPs per token: 6 per parameter (embeddings excepted) plus attention (PaLM appendix B)."""
+        """Training FLOPs per token: 6 per parameter plus attention (PaLM appendix B). The input embedding is a lookup,
+        not a matmul, so it counts only as lm_head where the two share one weight."""
         text = self.hf.config.get_text_config()
-        n_params = sum(p.numel() for p in self.parameters()) - self.hf.get_input_embeddings().weight.numel()
+        n_params = sum(p.numel() for p in self.parameters())  # a tied weight once
+        if not self.tied:
+            n_params -= self.hf.get_input_embeddings().weight.numel()
         return 6 * n_params + 12 * text.num_hidden_layers * text.hidden_size * self.block_size
 
     @staticmethod

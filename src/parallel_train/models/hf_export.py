@@ -25,7 +25,7 @@ from parallel_train.errors import UserError
 from parallel_train.models import hf_loading
 
 
-def build_empty(cfg: Any) -> Any:
+def build_empty(cfg: Any, dtype: str) -> Any:
     """The run's transformers model with no weights (meta device), its config as the run trained it."""
     transformers = hf_loading.import_transformers()
     config = hf_loading.load_config(cfg.hf_path)
@@ -33,7 +33,7 @@ def build_empty(cfg: Any) -> Any:
         config.get_text_config().tie_word_embeddings = False
     config.use_cache = True  # the exported model is for inference: generate() uses the cache
     with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(config, dtype=hf_loading.DTYPES[cfg.dtype])
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=hf_loading.DTYPES[dtype])
 
 
 def load_weights(model: Any, state: dict[str, torch.Tensor], source: str) -> None:
@@ -74,10 +74,14 @@ def hf_tokenizer(tokenizer: Any) -> Any | None:
     return None
 
 
-def export_pretrained(cfg: Any, state: dict[str, torch.Tensor], out: Path, tokenizer: Any, source: str = "the run's weights") -> str:
-    """Write `out` (replaced whole: written beside it, then renamed). Returns one line saying what it holds."""
-    model = build_empty(cfg)
-    load_weights(model, state, source)
+def export_pretrained(
+    cfg: Any, state: dict[str, torch.Tensor], out: Path, tokenizer: Any, source: str = "the run's weights", dtype: str | None = None
+) -> str:
+    """Write `out` (replaced whole: written beside it, then renamed), its weights in `dtype` (default: as trained).
+    Returns one line saying what it holds."""
+    dtype = dtype or cfg.dtype
+    model = build_empty(cfg, dtype)
+    load_weights(model, {k: v.to(hf_loading.DTYPES[dtype]) if v.is_floating_point() else v for k, v in state.items()}, source)
     out = Path(out)
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
