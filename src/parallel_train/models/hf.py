@@ -101,6 +101,11 @@ class HFCausalLM(nn.Module):
     def config(self) -> Any:
         return self.hf.config
 
+    def train(self, mode: bool = True) -> HFCausalLM:
+        super().train(mode)  # every part (they are the transformers model's children)
+        self.hf.training = mode  # and the transformers model itself, which its own forward may consult
+        return self
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, vocab). A pipeline stage may lack some parts (hf_layouts.py)."""
         if self.layout is None:
