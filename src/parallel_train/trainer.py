@@ -30,7 +30,7 @@ from parallel_train.data_sources import load_data
 from parallel_train.errors import UserError, is_first_process
 from parallel_train.guards import RunGuard, check_finite_weights, stop_message
 from parallel_train.messages import train_line
-from parallel_train.models import build_model
+from parallel_train.models import MODELS, build_model
 from parallel_train.optim import build_optimizer, build_scheduler
 from parallel_train.perf import Throughput, configure_backends, mfu, peak_flops, process_age_s
 from parallel_train.plots import PICTURE, plot_runs
@@ -303,6 +303,9 @@ class Trainer:
             return
         save_file(model_state, str(out / "model.safetensors.tmp"))  # then renamed: a kill never leaves half a file
         os.replace(out / "model.safetensors.tmp", out / "model.safetensors")
+        export = getattr(MODELS[cfg.model.name], "export", None)  # a model from elsewhere saves its own format too
+        if export is not None:
+            say(f"[parallel_train] {export(cfg.model, model_state, out / 'hf', self.data.vocab)}")
         summary = {**self.summary(), **engine_summary}
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         say(f"[parallel_train] loss curves: {plot_runs([out], out / PICTURE)}")
