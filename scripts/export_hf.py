@@ -60,7 +60,7 @@ def main() -> int:
     from parallel_train.checkpoint import load_tensors
     from parallel_train.config import config_from_dict
     from parallel_train.models.hf_export import export_pretrained
-    from parallel_train.tokenization import load_vocab
+    from parallel_train.tokenization import load_saved
 
     weights = weights_of(args.source)
     config_file = args.source / "config.yaml"
@@ -69,8 +69,7 @@ def main() -> int:
     cfg = config_from_dict(yaml.safe_load(config_file.read_text()) or {})
     if cfg.model.name != "hf":
         raise UserError(f"{args.source} trained model.name={cfg.model.name}; this script exports model.name=hf runs")
-    vocab = args.source / "vocab.json"
-    tokenizer = load_vocab(vocab) if vocab.is_file() else None
+    tokenizer = load_saved(args.source)  # the run's (or checkpoint's) vocab.json or tokenizer.json, if any
     out = args.out or args.source / "hf"
     print(export_pretrained(cfg.model, load_tensors(weights), out, tokenizer, source=str(weights), dtype=args.dtype))
     return 0

@@ -28,10 +28,10 @@ from parallel_train.pipeline.split import model_units, plan_stages, stage_module
 transformers = pytest.importorskip("transformers")
 
 T = 16
-# 6 steps of batch 4 (per process: 2 x 2 under DDP), checkpoints at 3 and 6, the byte tokenizer (256 ids <= 300).
+# 6 steps of batch 4 (per process: 2 x 2 under DDP), checkpoints at 3 and 6; data.tokenizer is not given: a
+# model.name=hf run reads its data with the model folder's own tokenizer (tests/hf_tiny.py's 300-id BPE).
 RUN = (
     "model.name=hf",
-    "data.tokenizer=byte",
     f"model.block_size={T}",
     "train.batch_size=4",
     "train.max_steps=6",
@@ -298,16 +298,21 @@ def test_ddp_two_processes_equal_one_then_export_and_sample(folders, reference):
     model.load_state_dict(load_file(str(out / "model.safetensors")))
     exported = transformers.AutoModelForCausalLM.from_pretrained(out / "hf")
     torch.testing.assert_close(exported(tokens()).logits, model(tokens()), rtol=0, atol=0)
+    own = transformers.AutoTokenizer.from_pretrained(folders["llama"])  # the model folder's tokenizer: the run's
+    assert own("ROMEO: hi").input_ids == list(load_trained(out).vocab.encode("ROMEO: hi"))
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out / "hf")  # exported whole: ids and special tokens
+    assert hf_tokenizer("ROMEO: hi").input_ids == own("ROMEO: hi").input_ids and hf_tokenizer.eos_token == own.eos_token
     trained = load_trained(out)  # what scripts/sample.py --run does (the script itself: tests/test_scripts.py)
-    ids = generate(trained.model, torch.tensor([encode_prompt(trained.vocab, "ROMEO:")]), 20, T, generator=torch.Generator().manual_seed(0))
-    assert trained.vocab.decode(ids[0].tolist()).startswith("ROMEO:") and ids.shape == (1, 6 + 20)
+    prompt = encode_prompt(trained.vocab, "ROMEO:")
+    ids = generate(trained.model, torch.tensor([prompt]), 20, T, generator=torch.Generator().manual_seed(0))
+    assert trained.vocab.decode(ids[0].tolist()).startswith("ROMEO:") and ids.shape == (1, len(prompt) + 20)
     step3, folder = out / "checkpoints" / "step_0000003", reference / "step3_hf"  # any checkpoint exports the same way
     check(run([PYTHON, "scripts/export_hf.py", str(step3), str(folder), "--dtype", "bfloat16"], env=env))
     exported = transformers.AutoModelForCausalLM.from_pretrained(folder)
     assert exported.dtype == torch.bfloat16 and exported.config.dtype == torch.bfloat16
     for key, value in load_file(str(step3 / "model.safetensors")).items():  # the checkpoint's weights, rounded to bf16
         assert torch.equal(exported.get_parameter(key), value.to(torch.bfloat16)), key
-    assert transformers.AutoTokenizer.from_pretrained(folder)("ROMEO").input_ids == list(b"ROMEO")
+    assert transformers.AutoTokenizer.from_pretrained(folder)("ROMEO").input_ids == own("ROMEO").input_ids
 
 
 @pytest.mark.multiprocess

@@ -169,6 +169,8 @@ def _apply(settings: list[tuple[str, Any]], ignored: list[str] | None) -> Config
     cfg = Config(model=model_class(coerce("model.name", names[-1], str) if names else "gpt")())
     for key, value in settings:
         _set(cfg, key, value, ignored)
+    if cfg.model.own_tokenizer() and not any(key == "data.tokenizer" for key, _ in settings):
+        cfg.data.tokenizer = cfg.model.own_tokenizer()  # e.g. a Hugging Face model's: its ids mean nothing otherwise
     return cfg
 
 

@@ -53,6 +53,10 @@ class HFConfig(ModelConfig):
 
     def check(self) -> None:
         check(bool(self.hf_path), "model.hf_path: give a local model folder or a Hub name, e.g. model.hf_path=Qwen/Qwen2.5-0.5B")
+        hf_loading.check_local_folder(self.hf_path)
+
+    def own_tokenizer(self) -> str | None:
+        return self.hf_path  # its folder's tokenizer.json (or the Hub repository's)
 
 
 def tied_aliases(model: nn.Module) -> dict[str, str]:

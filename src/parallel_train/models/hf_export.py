@@ -61,8 +61,15 @@ def byte_tokenizer() -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=core)
 
 
-def hf_tokenizer(tokenizer: Any) -> Any | None:
-    """The run's tokenizer in its Hugging Face form, or None (a char vocabulary has none)."""
+def hf_tokenizer(tokenizer: Any, hf_path: str = "") -> Any | None:
+    """The run's tokenizer in its Hugging Face form, or None (a char vocabulary has none). When it is the model
+    folder's own tokenizer.json, the folder's tokenizer is saved whole: its special tokens and chat template too."""
+    own = Path(hf_path) / "tokenizer.json"
+    if tokenizer is not None and own.is_file() and (Path(hf_path) / "tokenizer_config.json").is_file():
+        from parallel_train.tokenization import load_hf_file
+
+        if load_hf_file(own).fingerprint == tokenizer.fingerprint:
+            return hf_loading.import_transformers().AutoTokenizer.from_pretrained(hf_path)
     kind = getattr(tokenizer, "kind", None)
     if kind == "byte":
         return byte_tokenizer()
@@ -86,7 +93,7 @@ def export_pretrained(
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
-    saved = hf_tokenizer(tokenizer)
+    saved = hf_tokenizer(tokenizer, cfg.hf_path)
     if saved is not None:
         saved.save_pretrained(tmp)
     if out.exists():

@@ -43,24 +43,30 @@ def _looks_local(spec: str) -> bool:
     return spec.startswith(("/", ".", "~")) or spec.count("/") > 1
 
 
-def load_config(hf_path: str) -> Any:
-    """The model's transformers config, from a local folder or the Hub; every failure is one line."""
-    transformers = import_transformers()
+def check_local_folder(hf_path: str) -> Path | None:
+    """The model folder if hf_path is local (None: a Hub name). No network and no transformers: the config layer
+    calls it, so a wrong folder is named before anything else is loaded from it (its tokenizer, say)."""
     path = Path(hf_path).expanduser()
     if path.exists():
         if not path.is_dir():
             raise UserError(f"model.hf_path {hf_path!r} is a file; give the folder that holds config.json")
         if not (path / "config.json").is_file():
             raise UserError(f"model.hf_path {hf_path!r} holds no config.json; give a folder written by save_pretrained (or a Hub name)")
-        source = str(path)
-    elif _looks_local(hf_path):
+        return path
+    if _looks_local(hf_path):
         raise UserError(f"model.hf_path {hf_path!r}: no such folder")
-    else:
-        source = hf_path
+    return None
+
+
+def load_config(hf_path: str) -> Any:
+    """The model's transformers config, from a local folder or the Hub; every failure is one line."""
+    transformers = import_transformers()
+    path = check_local_folder(hf_path)
+    source = str(path) if path is not None else hf_path
     try:
         return transformers.AutoConfig.from_pretrained(source, trust_remote_code=False)
     except OSError as e:  # offline, no such repository, or nothing cached
-        if path.exists():
+        if path is not None:
             raise UserError(f"model.hf_path {hf_path!r}: config.json is not readable ({_first_line(e)})") from None
         raise UserError(
             f"model.hf_path {hf_path!r} is neither a local folder nor reachable on the Hugging Face Hub ({_first_line(e)})"
