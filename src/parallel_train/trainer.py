@@ -7,7 +7,6 @@ the data sharding in data.py; nothing here depends on the topology.
 from __future__ import annotations
 
 import json
-import os
 import resource
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from parallel_train.config import Config, save_config
 from parallel_train.data import train_loader, val_loader
 from parallel_train.data_sources import load_data
 from parallel_train.errors import UserError, is_first_process
-from parallel_train.guards import RunGuard, check_finite_weights, stop_message
+from parallel_train.guards import RunGuard, stop_message
 from parallel_train.messages import train_line
 from parallel_train.models import build_model
 from parallel_train.optim import build_optimizer, build_scheduler
@@ -31,6 +30,7 @@ from parallel_train.plots import PICTURE, plot_runs
 from parallel_train.tokenization import load_vocab
 from parallel_train.topology import build_engine, describe
 from parallel_train.tracking import MetricsLog, finish_trackers, init_trackers, new_run_id, prepare_tracker_env
+from parallel_train.weights_export import export
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "model.safetensors")
 
@@ -147,20 +147,12 @@ def run(cfg: Config, config_path: str | None) -> int:
     batches = TimedIterator(iter(train_loader(data, cfg, engine.dp_size, engine.dp_rank, start_step, pin_memory=device.type == "cuda")))
     flops_per_token, peak = engine.flops_per_token(), peak_flops(device, accelerator.mixed_precision, cfg.train)
 
+    c = cfg.checkpoint  # every rank writes its own part; with checkpoint.async in the background (checkpoint.py)
+    saver = checkpoint.Checkpointer(ckpt_root, c.keep, c.keep_best, resume_from, background=c.async_, timeout_s=cfg.parallel.timeout_s)
+
     def save_checkpoint(step: int) -> None:
         state["skipped_steps"] = guard.skipped
-        checkpoint.save(
-            engine,
-            ckpt_root,
-            step,
-            scheduler,
-            state,
-            config_yaml,
-            vocab_json,
-            keep=cfg.checkpoint.keep,
-            protect=resume_from,
-            keep_best=cfg.checkpoint.keep_best,
-        )
+        saver.save(engine, step, scheduler, state, config_yaml, vocab_json)
 
     def due(step: int, interval: int) -> bool:
         return step == cfg.train.max_steps or (interval > 0 and step % interval == 0)
@@ -230,6 +222,7 @@ def run(cfg: Config, config_path: str | None) -> int:
             save_checkpoint(done)
         paused += time.perf_counter() - t_pause
         if stop and done < cfg.train.max_steps:  # preempted: checkpoint written on all ranks; leave cleanly
+            saver.finish()
             pbar.close()
             say(stop_message(stop, done, cfg.train.max_steps, ckpt_root / checkpoint.checkpoint_name(done)))
             finish_trackers(accelerator, cfg.tracker, out, state["run_id"], say)
@@ -241,13 +234,10 @@ def run(cfg: Config, config_path: str | None) -> int:
     if start_step >= cfg.train.max_steps:
         say(f"[parallel_train] the checkpoint is already at train.max_steps={cfg.train.max_steps}; nothing to train")
     engine_summary = engine.finish(out)  # a collective: e.g. the pipeline timeline
-    check_finite_weights(engine, cfg.train.max_steps)  # a collective, like the next line
-    model_state = engine.full_state_dict()  # a collective: the model may be sharded or split over ranks
+    saver.finish()  # the last checkpoint is on disk: the final weights are its export (one tensor at a time)
+    final = ckpt_root / checkpoint.checkpoint_name(cfg.train.max_steps)
     if accelerator.is_main_process:
-        from safetensors.torch import save_file
-
-        save_file(model_state, str(out / "model.safetensors.tmp"))  # then renamed: a kill never leaves half a file
-        os.replace(out / "model.safetensors.tmp", out / "model.safetensors")
+        export(final if final.is_dir() else resume_from, out)
         summary = {
             "steps": cfg.train.max_steps,
             "final_train_loss": state["final_train_loss"],
@@ -262,6 +252,8 @@ def run(cfg: Config, config_path: str | None) -> int:
             "wall_time_s": time.perf_counter() - t_start,
             "time_to_first_step_s": first_step_s,
             "resumed_from": str(resume_from) if resume_from else None,
+            "checkpoint_blocking_s": saver.blocking_s,  # the loop's time in checkpoint saves (checkpoint.async: the copy)
+            "checkpoint_drain_s": saver.drain_s,  # the wait for the last background write, after the loop
             **peak_memory_mb(device),
             **engine_summary,
         }
