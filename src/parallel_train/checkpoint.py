@@ -45,6 +45,7 @@ from parallel_train.engine import RankState
 from parallel_train.errors import UserError
 from parallel_train.guards import check_finite_weights
 from parallel_train.named_state import MODEL, OPTIMIZER, load_into, merge_meta, rank_tensors, templates
+from parallel_train.train_state import TrainingState
 
 PREFIX = "step_"
 __all__ = ["MANIFEST", "verify", "refuse_code", "write_manifest"]  # re-exported: what callers check a checkpoint with
@@ -258,7 +259,7 @@ def prune(root: Path, keep: int, protect: Path | None = None, keep_best: bool = 
 # ---------------------------------------------------------------- load
 
 
-def topology_notice(saved: dict[str, Any], world: int, global_batch: int) -> str | None:
+def topology_notice(saved: TrainingState, world: int, global_batch: int) -> str | None:
     """One line when a run resumes on another number of processes or another global batch.
 
     Model and optimizer state are keyed by name, so they load into any topology. The data order depends only
@@ -266,7 +267,7 @@ def topology_notice(saved: dict[str, Any], world: int, global_batch: int) -> str
     samples the old one would have; with another, step k reads the k-th slice of the new size from the same
     shuffled stream, so a few samples are skipped or seen twice at the switch.
     """
-    old_world, old_batch = saved.get("world_size"), saved.get("global_batch")
+    old_world, old_batch = saved.world_size, saved.global_batch
     if old_world == world and old_batch in (None, global_batch):
         return None
     line = (
@@ -314,8 +315,8 @@ def load_rank_state(folder: Path, rank: RankState) -> None:
     load_into(rank, tensors, meta)
 
 
-def load(folder: Path, engine, scheduler) -> dict[str, Any]:
-    """Restore model, optimizer, scheduler and this rank's RNG from `folder`; return the trainer state."""
+def load(folder: Path, engine, scheduler) -> TrainingState:
+    """Restore model, optimizer, scheduler and this rank's RNG from `folder`; return the training state it saved."""
     accelerator = engine.accelerator
     state = read_json(folder / "trainer_state.json")
     try:
@@ -340,4 +341,4 @@ def load(folder: Path, engine, scheduler) -> dict[str, Any]:
             cuda = [rng[k] for k in sorted(k for k in rng if k.startswith("cuda_"))]
             if len(cuda) == torch.cuda.device_count():
                 torch.cuda.set_rng_state_all(cuda)
-    return state
+    return TrainingState.from_dict(state)
