@@ -137,28 +137,21 @@ class Checkpointer:
         self.stager = None
         self.blocking_s = self.drain_s = 0.0
 
-    def save(self, engine, step: int, scheduler, state: dict[str, Any], config_yaml: str, vocab_json: str | None) -> Path:
-        """Checkpoint `step`: the engine's state, the trainer's, the config. A collective: every rank calls it."""
+    def save(self, engine, state: TrainingState, scheduler, config_yaml: str, vocab_json: str | None) -> Path:
+        """Checkpoint the step `state` is at: the engine's state, the trainer's, the config. A collective: every
+        rank calls it."""
         started = time.perf_counter()
         self.wait()  # the previous background write first: its collectives and these must not interleave
-        check_finite_weights(engine, step)  # never a checkpoint with NaN/inf weights (all ranks agree)
-        files = {
-            "trainer_state.json": json.dumps(self._trainer_state(engine, step, scheduler, state), indent=1),
-            "config.yaml": config_yaml,
-        }
+        check_finite_weights(engine, state.step)  # never a checkpoint with NaN/inf weights (all ranks agree)
+        trainer_state = dict(state.to_dict(), scheduler=scheduler.state_dict())
+        if getattr(engine.accelerator, "scaler", None) is not None:  # fp16's loss scale (plain numbers)
+            trainer_state["grad_scaler"] = engine.accelerator.scaler.state_dict()
+        files = {"trainer_state.json": json.dumps(trainer_state, indent=1), "config.yaml": config_yaml}
         if vocab_json is not None:
             files["vocab.json"] = vocab_json
-        final = self.write(step, engine.rank_state(), files)
+        final = self.write(state.step, engine.rank_state(), files)
         self.blocking_s += time.perf_counter() - started
         return final
-
-    @staticmethod
-    def _trainer_state(engine, step: int, scheduler, state: dict[str, Any]) -> dict[str, Any]:
-        accelerator = engine.accelerator
-        full = dict(state, step=step, scheduler=scheduler.state_dict(), world_size=accelerator.num_processes)
-        if getattr(accelerator, "scaler", None) is not None:  # fp16's loss scale (plain numbers)
-            full["grad_scaler"] = accelerator.scaler.state_dict()
-        return full
 
     def write(self, step: int, rank: RankState, files: dict[str, str]) -> Path:
         """Checkpoint `step` of `rank`'s state plus `files` (name -> text, written by the main process). Returns

@@ -17,8 +17,8 @@ Every value must be a tensor: DCP would pickle anything else (BYTE_IO items), an
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
-import queue
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,46 +26,66 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemWriter, HuggingFaceStorageReader
 from torch.distributed.checkpoint.filesystem import SerializationFormat
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
-# A rank's part is cut into files of at most this size: the writer holds one file's bytes in memory at a time
-# (safetensors serialises a whole file at once), so this bounds a save's extra host memory per rank.
+# A rank's part is cut into files of at most this size: on a GPU each file's tensors are copied to the host before
+# it is written, so this bounds a save's extra host memory per rank (on the CPU the tensors are written in place).
 FILE_BYTES = 256 * 2**20
+# What DCP's safetensors serialisation puts in each file's header, and HuggingFaceStorageReader reads back.
+SHARDING_INFO, VERSION = "DCP_SHARDING_INFO", "DCP_VERSION"
 
 
 def _item_bytes(item) -> int:
     return math.prod(item.tensor_data.size) * item.tensor_data.properties.dtype.itemsize
 
 
+def _files(items: list) -> list[list]:
+    """Items in files of at most FILE_BYTES (a larger tensor gets a file of its own)."""
+    files: list[list] = [[]]
+    size = 0
+    for item in items:
+        if item.tensor_data is None:
+            raise TypeError(f"checkpoint value {item.index.fqn!r} is not a tensor; put it in a JSON file")
+        if files[-1] and size + _item_bytes(item) > FILE_BYTES:
+            files.append([])
+            size = 0
+        files[-1].append(item)
+        size += _item_bytes(item)
+    return [f for f in files if f]
+
+
 class ShardWriter(FileSystemWriter):
-    """DCP's file-system writer with safetensors files named by rank (`rank00001-000.safetensors`, ...) and no
-    pickled `.metadata`. `written` lists the files this rank wrote (for the manifest)."""
+    """DCP's file-system writer, writing each rank's items as safetensors files named by rank (`rank00001-000
+    .safetensors`, ...) and no pickled `.metadata`. `written` lists the files this rank wrote (for the manifest).
+
+    The files are what DCP's own safetensors serialisation writes (HuggingFaceStorageReader reads either), written
+    here with safetensors' `save_file`, which writes CPU tensors where they lie; torch's writer first serialises a
+    whole file into a bytes object, a copy of everything the rank writes."""
 
     def __init__(self, path: Path):
-        super().__init__(path, serialization_format=SerializationFormat.SAFETENSORS, sync_files=True, thread_count=1)
+        super().__init__(path, serialization_format=SerializationFormat.SAFETENSORS, sync_files=True)
         self.written: list[str] = []
 
     def prepare_global_plan(self, plans):  # the coordinator tells each rank its index
         return [dataclasses.replace(plan, storage_data=rank) for rank, plan in enumerate(plans)]
 
-    def write_data(self, plan, planner):
-        files: list[list] = [[]]
-        size = 0
-        for item in plan.items:
-            if item.tensor_data is None:
-                raise TypeError(f"checkpoint value {item.index.fqn!r} is not a tensor; put it in a JSON file")
-            if files[-1] and size + _item_bytes(item) > FILE_BYTES:
-                files.append([])
-                size = 0
-            files[-1].append(item)
-            size += _item_bytes(item)
-        work: queue.Queue = queue.Queue()
-        for i, items in enumerate(f for f in files if f):
+    def write_data(self, plan, planner) -> Future:
+        results = []
+        for i, items in enumerate(_files(plan.items)):
             name = f"rank{plan.storage_data:05d}-{i:03d}.safetensors"
+            tensors = {item.index.fqn: planner.resolve_data(item).detach().cpu().contiguous() for item in items}
+            offsets = {item.index.fqn: {"saved_offsets": list(item.tensor_data.chunk.offsets)} for item in items}
+            metadata = {SHARDING_INFO: json.dumps(offsets), VERSION: "1.0", "format": "pt"}
+            save_file(tensors, str(Path(self.path) / name), metadata=metadata)
             self.written.append(name)
-            work.put((self.fs.concat_path(self.path, name), name, items))
-        return self._write_data(planner, work)  # torch's own writer loop (what HuggingFaceStorageWriter calls too)
+            results += [WriteResult(item.index, _item_bytes(item), name) for item in items]
+        future: Future = Future()
+        future.set_result(results)
+        return future
 
     def finish(self, metadata, results) -> None:
         """Nothing: the metadata lives in the files' safetensors headers (the default pickles it to `.metadata`)."""

@@ -21,9 +21,9 @@ import torch
 from safetensors import safe_open
 
 from parallel_train.checkpoint_manifest import SHARD_DIR
+from parallel_train.checkpoint_storage import SHARDING_INFO
 from parallel_train.named_state import MODEL
 
-SHARDING_INFO = "DCP_SHARDING_INFO"  # what DCP's safetensors serialisation records for each chunk
 INDEX = "model.safetensors.index.json"  # the Hugging Face name for a sharded model's weight map
 # The safetensors dtype names (https://huggingface.co/docs/safetensors/index#format) and their torch dtypes.
 DTYPES = {
