@@ -42,6 +42,7 @@ sys.path.insert(0, str(REPO / "src"))  # run from a clone, no install step
 DOC = REPO / "docs" / "BENCHMARKS.md"
 DOC_START, DOC_END = "<!-- bench_checkpoint:start -->", "<!-- bench_checkpoint:end -->"
 MODES = ("gathered", "sharded", "async")
+SHARDINGS = {"ddp": "DDP (replicated)", "fsdp": "FSDP2 (sharded)"}
 
 
 def rss_kib(field: str) -> int:
@@ -55,11 +56,14 @@ def rss_kib(field: str) -> int:
 
 
 def gathered_save(folder: Path, model, optimizer, rank: int) -> None:
-    """checkpoint.save as of d1d89bc, for DDP (no DTensor to gather): rank 0 writes model.safetensors and
-    optimizer.safetensors whole, every rank its RNG file, then rank 0 hashes every file for the manifest."""
+    """checkpoint.save as of d1d89bc: the whole model (accelerate's get_state_dict: under FSDP2 a full, CPU-offloaded
+    state dict on rank 0) and the optimizer state gathered tensor by tensor and kept on rank 0, which writes
+    model.safetensors and optimizer.safetensors and hashes every file for the manifest; every rank its RNG file."""
     import torch
     import torch.distributed as dist
     from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.tensor import DTensor
 
     tmp = folder.with_name(".tmp-" + folder.name)
     if rank == 0:
@@ -67,11 +71,19 @@ def gathered_save(folder: Path, model, optimizer, rank: int) -> None:
         tmp.mkdir(parents=True)
     dist.barrier()
     save_file({"cpu": torch.get_rng_state()}, str(tmp / f"rng_rank{rank}.safetensors"))
-    model_state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    sharded = any(isinstance(p, DTensor) for p in model.parameters())
+    if sharded:
+        model_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        model_state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     names = {id(p): n for n, p in model.named_parameters()}
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    sd = optimizer.state_dict()
-    tensors = {f"{names[id(params[i])]}/{k}": v.detach().contiguous().cpu() for i, st in sd["state"].items() for k, v in st.items()}
+    tensors = {}
+    for i, st in optimizer.state_dict()["state"].items():
+        for k, v in st.items():
+            full = v.full_tensor() if isinstance(v, DTensor) else v  # a collective: every rank gathers ...
+            if rank == 0:  # ... and only the writer keeps it
+                tensors[f"{names[id(params[i])]}/{k}"] = full.detach().contiguous().cpu()
     if rank == 0:
         save_file(model_state, str(tmp / "model.safetensors"))
         save_file(tensors, str(tmp / "optimizer.safetensors"))
@@ -80,7 +92,11 @@ def gathered_save(folder: Path, model, optimizer, rank: int) -> None:
     if rank == 0:
         files = {}
         for p in sorted(tmp.iterdir()):
-            files[p.name] = {"size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+            h = hashlib.sha256()
+            with open(p, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+            files[p.name] = {"size": p.stat().st_size, "sha256": h.hexdigest()}
             fd = os.open(p, os.O_RDONLY)
             os.fsync(fd)
             os.close(fd)
@@ -101,19 +117,27 @@ def worker(args: argparse.Namespace) -> None:
     from parallel_train.config import TrainConfig
     from parallel_train.engine import RankState
     from parallel_train.losses import loss_fn
-    from parallel_train.models.gpt import GPT, GPTConfig
+    from parallel_train.models.gpt import GPT, Block, GPTConfig
     from parallel_train.optim import build_optimizer
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=args.layers, n_head=max(1, args.width // 64), n_embd=args.width, block_size=64, dropout=0.0), args.vocab)
+    if args.sharding == "fsdp":  # FSDP2 over a CPU mesh, each Block its own unit (what accelerate_configs/fsdp.yaml does)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for block in [m for m in model.modules() if isinstance(m, Block)]:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     optimizer = build_optimizer(model, TrainConfig())
     x = torch.randint(0, args.vocab, (2, 65))
     loss_fn(model(x[:, :-1]), x[:, 1:]).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    params = sum(p.numel() for p in model.parameters())
+    params = sum(p.numel() for p in model.parameters())  # DTensor numel: the whole tensor's
     state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     state_bytes += sum(v.numel() * v.element_size() for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v))
     root = Path(args.dir)
@@ -137,7 +161,14 @@ def worker(args: argparse.Namespace) -> None:
     parts = [None] * world if rank == 0 else None
     dist.gather_object(saves, parts, dst=0)
     if rank == 0:
-        result = {"mode": args.worker, "world": world, "params": params, "state_mb": state_bytes / 2**20, "ranks": parts}
+        result = {
+            "mode": args.worker,
+            "sharding": args.sharding,
+            "world": world,
+            "params": params,
+            "state_mb": state_bytes / 2**20,
+            "ranks": parts,
+        }
         Path(args.json).write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -145,17 +176,17 @@ def worker(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------- the parent: launches, table
 
 
-def launch(mode: str, args: argparse.Namespace, out: Path) -> dict:
+def launch(mode: str, sharding: str, args: argparse.Namespace, out: Path) -> dict:
     torchrun = str(Path(sys.executable).parent / "torchrun")
     with tempfile.TemporaryDirectory(dir=out) as tmp:
         result_file = Path(tmp) / "result.json"
-        cmd = [torchrun, "--nproc-per-node", str(args.nproc), "--master-port", "0", __file__, "--worker", mode]
+        cmd = [torchrun, "--standalone", "--nproc-per-node", str(args.nproc), __file__, "--worker", mode, "--sharding", sharding]
         cmd += ["--dir", str(Path(tmp) / "checkpoints"), "--json", str(result_file), "--saves", str(args.saves)]
         cmd += ["--layers", str(args.layers), "--width", str(args.width), "--vocab", str(args.vocab)]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": tmp}
         done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
         if done.returncode != 0:
-            raise SystemExit(f"{mode}: exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+            raise SystemExit(f"{sharding} {mode}: exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
         return json.loads(result_file.read_text())
 
 
@@ -163,21 +194,23 @@ def table(runs: list[dict], args: argparse.Namespace) -> str:
     first = runs[0]
     lines = [
         f"GPT {args.layers} x {args.width}, vocab {args.vocab}: {first['params'] / 1e6:.0f}M parameters; model + AdamW state "
-        f"{first['state_mb']:,.0f} MB on every rank (DDP); {args.nproc} CPU processes (gloo), {args.saves} saves per launch x "
-        f"{args.repeats} launches per mode; medians over every save, memory: the largest peak.",
+        f"{first['state_mb']:,.0f} MB in all (under DDP every rank holds all of it, under FSDP2 1/{args.nproc}); "
+        f"{args.nproc} CPU processes (gloo), {args.saves} saves per launch x {args.repeats} launches per row; times: medians "
+        "over every save; memory: the largest peak above the RSS before the save.",
         "",
-        "| mode | loop blocked per save (rank 0) | save until sealed (rank 0) | rank 0 extra host memory | other ranks' extra memory | 1-min load |",
-        "|---|---|---|---|---|---|",
+        "| sharding | save | loop blocked per save (rank 0) | save until sealed (rank 0) | rank 0 extra host memory | "
+        "other ranks' extra memory | 1-min load |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for mode in MODES:
-        mine = [r for r in runs if r["mode"] == mode]
+    for sharding, mode in [(s, m) for s in SHARDINGS for m in MODES]:
+        mine = [r for r in runs if r["mode"] == mode and r["sharding"] == sharding]
         if not mine:
             continue
         rank0 = [s for r in mine for s in r["ranks"][0]]
         others = [s for r in mine for part in r["ranks"][1:] for s in part]
         load = [s["load"] for s in rank0]
         lines.append(
-            f"| {mode} | {statistics.median(s['blocking_s'] for s in rank0):.2f} s | {statistics.median(s['total_s'] for s in rank0):.2f} s | "
+            f"| {SHARDINGS[sharding]} | {mode} | {statistics.median(s['blocking_s'] for s in rank0):.2f} s | {statistics.median(s['total_s'] for s in rank0):.2f} s | "
             f"{max(s['extra_rss_mb'] for s in rank0):,.0f} MB | {max((s['extra_rss_mb'] for s in others), default=0):,.0f} MB | "
             f"{min(load):.1f}-{max(load):.1f} |"
         )
@@ -199,9 +232,11 @@ def main() -> None:
     p.add_argument("--saves", type=int, default=3, help="saves per launch")
     p.add_argument("--repeats", type=int, default=2, help="launches per mode (round-robin over the modes)")
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--shardings", default=",".join(SHARDINGS), help="ddp: every rank holds the whole state; fsdp: FSDP2 shards it")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "bench_checkpoint")
     p.add_argument("--update-docs", action="store_true", help="replace the table in docs/BENCHMARKS.md")
     p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
+    p.add_argument("--sharding", choices=tuple(SHARDINGS), default="ddp", help=argparse.SUPPRESS)
     p.add_argument("--dir", help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -209,10 +244,11 @@ def main() -> None:
         return worker(args)
     args.out.mkdir(parents=True, exist_ok=True)
     runs = []
-    for repeat in range(args.repeats):
-        for mode in args.modes.split(","):
-            runs.append(launch(mode, args, args.out))
-            print(f"repeat {repeat + 1}: {mode} done", flush=True)
+    for repeat in range(args.repeats):  # round-robin: a change in machine load hits every row alike
+        for sharding in args.shardings.split(","):
+            for mode in args.modes.split(","):
+                runs.append(launch(mode, sharding, args, args.out))
+                print(f"repeat {repeat + 1}: {sharding} {mode} done", flush=True)
     (args.out / "bench_checkpoint.json").write_text(json.dumps(runs, indent=1))
     text = table(runs, args) + f"\n\nCommand: `python scripts/bench_checkpoint.py{' ' + ' '.join(sys.argv[1:]) if sys.argv[1:] else ''}`."
     (args.out / "bench_checkpoint.md").write_text(text + "\n")
