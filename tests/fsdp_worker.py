@@ -1,10 +1,12 @@
-"""Run under `torchrun --nproc-per-node 2 tests/fsdp_worker.py OUT`: FSDP2 (`fully_shard`) on CPU/gloo, checkpointed.
+"""Run under `torchrun --nproc-per-node 2 tests/fsdp_worker.py OUT`: FSDP2 (`fully_shard`) and tensor parallelism
+(`parallelize_module`) on CPU/gloo, checkpointed.
 
 What accelerate does for accelerate_configs/fsdp.yaml on GPUs (each `Block` its own FSDP unit, then the root),
 minus accelerate itself (its prepare() cannot shard on CPU). Checks that each rank writes its own shards of the
 model and the optimizer (nothing gathered), synchronously and in the background, and that a checkpoint loads back
 into a sharded model and continues exactly like the unsharded one. Rank 0 leaves OUT/expected.safetensors (the
-whole state, gathered here only to check) for the test, which loads the checkpoint on one process.
+whole state, gathered here only to check) for the test, which loads the checkpoint on one process. The same for a
+tensor-parallel MLP (column- and row-wise shards, a replicated bias): OUT/tp and OUT/tp_expected.safetensors.
 """
 
 from __future__ import annotations
@@ -118,9 +120,33 @@ def check(rank: int, world: int, out: Path) -> None:
     print(f"fsdp rank {rank}/{world} ok", flush=True)
 
 
+def tensor_parallel_mlp() -> torch.nn.Sequential:
+    torch.manual_seed(4)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+
+
+def check_tensor_parallel(rank: int, world: int, out: Path) -> None:
+    """Megatron-style MLP: the first Linear column-wise (Shard(0)), the second row-wise (Shard(1), bias Replicate)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = parallelize_module(tensor_parallel_mlp(), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAM)
+    model(torch.randn(4, 8, generator=torch.Generator().manual_seed(5))).pow(2).mean().backward()
+    optimizer.step()
+    saver = Checkpointer(out / "tp", keep=1, timeout_s=120)
+    saver.write(1, rank_state(model, optimizer), {"trainer_state.json": json.dumps({"step": 1})})
+    tensors, _ = rank_tensors(rank_state(model, optimizer))
+    expected = {k: to_full(v).detach().clone() for k, v in tensors.items()}
+    if rank == 0:
+        save_file(expected, str(out / "tp_expected.safetensors"))
+    print(f"tensor parallel rank {rank}/{world} ok", flush=True)
+
+
 def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))  # a failed rank must not hang the other
     check(dist.get_rank(), dist.get_world_size(), Path(sys.argv[1]))
+    check_tensor_parallel(dist.get_rank(), dist.get_world_size(), Path(sys.argv[1]))
     # Free the sharded models before the process group goes: left to interpreter shutdown, FSDP2's state on gloo
     # aborted the process ("terminate called without an active exception") in about 1 run in 10 on a loaded machine.
     gc.collect()

@@ -44,29 +44,35 @@ def ref1(tmp_path_factory) -> Path:
 # ---------------------------------------------------------------- topology moves
 
 
-def test_fsdp2_checkpoint_written_by_each_rank_loads_on_one_process(tmp_path):
-    """FSDP2 over 2 gloo ranks writes its shards (tests/fsdp_worker.py: sync and background saves, 2 -> 2 exact);
-    here one process loads that checkpoint into a plain model and optimizer: every tensor equals the whole state."""
-    from fsdp_worker import ADAM, build
+def load_on_one_process(folder: Path, model: torch.nn.Module, expected_file: Path) -> torch.optim.Optimizer:
+    """Load a checkpoint into a plain model and a fresh AdamW; every tensor must equal the whole state."""
     from parallel_train.engine import RankState
     from parallel_train.named_state import rank_tensors
 
-    out = tmp_path / "fsdp"
-    cmd = [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()), "tests/fsdp_worker.py", str(out)]
-    result = check(run(cmd, env=launch_env(tmp_path), timeout=300))
-    assert "fsdp rank 0/2 ok" in result.stdout and "fsdp rank 1/2 ok" in result.stdout
-    folder = out / "sync" / checkpoint.checkpoint_name(2)
-    model = build(seed=3)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     checkpoint.load_rank_state(folder, RankState(model.state_dict(), model, optimizer))
-    assert optimizer.param_groups[0]["lr"] == ADAM["lr"]
     loaded, _ = rank_tensors(RankState(model.state_dict(), model, optimizer))
-    expected = load_file(str(out / "expected.safetensors"))
+    expected = load_file(str(expected_file))
     assert sorted(loaded) == sorted(expected)
     for key, value in expected.items():
         assert torch.equal(loaded[key], value), key
     exported = load_weights(folder)  # what scripts/export_weights.py writes: the model's whole weights
-    assert all(torch.equal(exported[k], expected[f"model/{k}"]) for k in exported) and len(exported) == len(model.state_dict())
+    assert sorted(exported) == sorted(model.state_dict()) and all(torch.equal(exported[k], expected[f"model/{k}"]) for k in exported)
+    return optimizer
+
+
+def test_fsdp2_and_tensor_parallel_checkpoints_written_by_each_rank_load_on_one_process(tmp_path):
+    """FSDP2 over 2 gloo ranks writes its shards (tests/fsdp_worker.py: sync and background saves, 2 -> 2 exact), and
+    so does a tensor-parallel MLP; here one process loads each checkpoint into a plain model and optimizer."""
+    from fsdp_worker import ADAM, build, tensor_parallel_mlp
+
+    out = tmp_path / "fsdp"
+    cmd = [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()), "tests/fsdp_worker.py", str(out)]
+    result = check(run(cmd, env=launch_env(tmp_path), timeout=300))
+    assert "fsdp rank 0/2 ok" in result.stdout and "tensor parallel rank 1/2 ok" in result.stdout
+    optimizer = load_on_one_process(out / "sync" / checkpoint.checkpoint_name(2), build(seed=3), out / "expected.safetensors")
+    assert optimizer.param_groups[0]["lr"] == ADAM["lr"]
+    load_on_one_process(out / "tp" / checkpoint.checkpoint_name(1), tensor_parallel_mlp(), out / "tp_expected.safetensors")
 
 
 def test_ddp_background_saves_resume_as_a_two_stage_pipeline(tmp_path):

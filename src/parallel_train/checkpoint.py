@@ -294,17 +294,28 @@ def read_json(path: Path) -> Any:
         raise UserError(f"resume: {path} is not readable JSON ({str(e).splitlines()[0][:120]}); resume from another checkpoint") from None
 
 
+def _model_names(rank: RankState) -> set[str]:
+    """The weights of the whole model: every rank's (a pipeline rank holds a few). A collective."""
+    if not dist.is_initialized():
+        return set(rank.model)
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, sorted(rank.model))
+    return {name for part in parts for name in part}
+
+
 def load_rank_state(folder: Path, rank: RankState) -> None:
     """Load `folder`'s model and optimizer state into this rank's part (any topology, by name). A collective."""
     meta = read_json(folder / "optimizer.json")
+    names = _model_names(rank)
     if (folder / SHARD_DIR).is_dir():
         saved = checkpoint_storage.saved_tensors(folder / SHARD_DIR)  # verify() has read every header once
-        tensors = templates(rank, saved)
+        tensors = templates(rank, saved, names)
         checkpoint_storage.read(folder / SHARD_DIR, tensors)
     else:  # written before sharded saves: whole tensors, which every rank reads and cuts into its shard
         whole = {MODEL + k: v for k, v in load_tensors(folder / "model.safetensors").items()}
         whole.update({OPTIMIZER + k: v for k, v in load_tensors(folder / "optimizer.safetensors").items()})
-        tensors = {k: shard_like(whole[k], t) for k, t in templates(rank, {k: (v.shape, v.dtype) for k, v in whole.items()}).items()}
+        shapes = {k: (v.shape, v.dtype) for k, v in whole.items()}
+        tensors = {k: shard_like(whole[k], t) for k, t in templates(rank, shapes, names).items()}
     load_into(rank, tensors, meta)
 
 

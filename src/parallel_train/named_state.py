@@ -72,10 +72,14 @@ def merge_meta(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return {"param_groups": groups, "scalars": scalars}
 
 
-def templates(rank: RankState, saved: dict[str, tuple[torch.Size, torch.dtype]]) -> dict[str, torch.Tensor]:
+def templates(rank: RankState, saved: dict[str, tuple[torch.Size, torch.dtype]], model_names: set[str]) -> dict[str, torch.Tensor]:
     """Empty tensors laid out like this rank's state (DTensor shards where it is sharded) for every checkpoint key
-    it loads; `saved` maps the checkpoint's keys to their whole shape and dtype. A one-line UserError when the
-    checkpoint lacks a weight of this model or holds it in another shape."""
+    it loads; `saved` maps the checkpoint's keys to their whole shape and dtype, `model_names` are the weights of
+    the whole model (every rank's). A one-line UserError when the checkpoint lacks a weight of this model, holds it
+    in another shape, or holds weights the model does not have (another n_layer, say)."""
+    extra = sorted(k[len(MODEL) :] for k in saved if k.startswith(MODEL) and k[len(MODEL) :] not in model_names)
+    if extra:
+        raise UserError(f"the checkpoint holds {extra[0]!r} ({len(extra)} weights this model lacks); was it written for another model?")
     out: dict[str, torch.Tensor] = {}
     for name, value in rank.model.items():
         key = MODEL + name
