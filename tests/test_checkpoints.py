@@ -233,3 +233,14 @@ def test_a_pickle_planted_in_any_file_of_a_checkpoint_never_runs(ref1, tmp_path,
 @pytest.mark.slow
 def test_planted_pickles_of_every_protocol_never_run(ref1, tmp_path, capsys):
     sweep(ref1, tmp_path, capsys, [(p, rehash) for p in range(pickle.HIGHEST_PROTOCOL + 1) for rehash in (False, True)])
+
+
+@pytest.mark.slow
+def test_bench_checkpoint_script_end_to_end(tmp_path):
+    """scripts/bench_checkpoint.py on a tiny model: every row of the table, and train.py's summary figures."""
+    out = tmp_path / "bench"
+    cmd = [PYTHON, "scripts/bench_checkpoint.py", "--layers", "1", "--width", "64", "--vocab", "64", "--repeats", "1", "--saves", "1"]
+    check(run([*cmd, "--out", str(out)], env=launch_env(tmp_path), timeout=900))
+    table = (out / "bench_checkpoint.md").read_text()
+    for row in ("| DDP (replicated) | gathered |", "| DDP (replicated) | async |", "| FSDP2 (sharded) | sharded |", "| true |", "| false |"):
+        assert row in table, table

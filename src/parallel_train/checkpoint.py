@@ -48,7 +48,6 @@ from parallel_train.named_state import MODEL, OPTIMIZER, load_into, merge_meta, 
 from parallel_train.train_state import TrainingState
 
 PREFIX = "step_"
-__all__ = ["MANIFEST", "verify", "refuse_code", "write_manifest"]  # re-exported: what callers check a checkpoint with
 
 
 def checkpoint_name(step: int) -> str:
