@@ -171,10 +171,15 @@ class Checkpointer:
         if not self.background:
             self._write_and_seal(step, tmp, final, tensors, [rng_file])
             return final
-        if self.stager is None:  # pinned host buffers, reused from save to save, when the state is on a GPU
-            from torch.distributed.checkpoint.staging import BlockingAsyncStager
+        if self.stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-            self.stager = BlockingAsyncStager(cache_staged_state_dict=any(t.device.type == "cuda" for t in tensors.values()))
+            # Host buffers kept from save to save (allocating them again costs 3-4x the copy, measured on CPU), pinned
+            # when the state lives on a GPU; the copy itself in this thread, before training goes on.
+            gpu = any(t.device.type == "cuda" for t in tensors.values())
+            self.stager = DefaultStager(
+                StagingOptions(use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=gpu)
+            )
         staged = self.stager.stage(tensors)  # a copy: training may change the live tensors from here on
         self.pending = Future()
         threading.Thread(target=self._background, args=(self.pending, step, tmp, final, staged, [rng_file]), daemon=True).start()
@@ -216,10 +221,14 @@ class Checkpointer:
             pending.result()
 
     def finish(self) -> None:
-        """Wait for the last background write (before the run's final outputs and before exiting)."""
+        """Wait for the last background write (before the run's final outputs and before exiting), then free the
+        host copy of the state."""
         started = time.perf_counter()
         self.wait()
         self.drain_s += time.perf_counter() - started
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
 
 
 def best_checkpoint(root: Path) -> Path | None:
