@@ -233,7 +233,7 @@ def table(runs: list[dict], args: argparse.Namespace) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for sharding, mode in [(s, m) for s in SHARDINGS for m in MODES]:
-        mine = [r for r in runs if r["mode"] == mode and r["sharding"] == sharding]
+        mine = [r for r in runs if r.get("mode") == mode and r.get("sharding") == sharding]
         if not mine:
             continue
         rank0 = [s for r in mine for s in r["ranks"][0]]
