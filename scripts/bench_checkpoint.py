@@ -158,9 +158,11 @@ def worker(args: argparse.Namespace) -> None:
         else:
             saver.write(step, RankState(model.state_dict(), model, optimizer), {"trainer_state.json": json.dumps({"step": step})})
             blocking = time.perf_counter() - t0
-            saver.finish()
+            saver.wait()  # not finish(): as in a run, the host copy's buffers stay for the next background save
         total = time.perf_counter() - t0
         saves.append({"blocking_s": blocking, "total_s": total, "extra_rss_mb": (rss_kib("VmHWM") - before) / 1024, "load": load})
+    if saver is not None:
+        saver.finish()
     parts = [None] * world if rank == 0 else None
     dist.gather_object(saves, parts, dst=0)
     if rank == 0:
@@ -226,7 +228,8 @@ def table(runs: list[dict], args: argparse.Namespace) -> str:
         f"GPT {args.layers} x {args.width}, vocab {args.vocab}: {first['params'] / 1e6:.0f}M parameters; model + AdamW state "
         f"{first['state_mb']:,.0f} MB in all (under DDP every rank holds all of it, under FSDP2 1/{args.nproc}); "
         f"{args.nproc} CPU processes (gloo), {args.saves} saves per launch x {args.repeats} launches per row; times: medians "
-        "over every save; memory: the largest peak above the RSS before the save.",
+        "over every save; memory: the largest peak above the RSS before the save (async: the first save allocates the host "
+        "copy, which later saves reuse).",
         "",
         "| sharding | save | loop blocked per save (rank 0) | save until sealed (rank 0) | rank 0 extra host memory | "
         "other ranks' extra memory | 1-min load |",

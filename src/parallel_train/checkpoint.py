@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from parallel_train import checkpoint_storage, faults
 from parallel_train.checkpoint_manifest import MANIFEST, SHARD_DIR, fsync, record, refuse_code, verify, write_manifest
@@ -118,9 +119,9 @@ def rng_state() -> dict[str, torch.Tensor]:
 class Checkpointer:
     """Writes one run's checkpoints: synchronously, or with `background=True` (checkpoint.async) in a thread.
 
-    Every rank calls `save` at the same step and `wait` before it exits. `blocking_s` adds up the time the
-    training loop spent in `save` (the whole write, or with a background write the copy and any wait for the
-    previous one); `drain_s` the final wait for the last background write.
+    Every rank calls `save` at the same step, and `finish` before the run's final outputs and before it exits.
+    `blocking_s` adds up the time the training loop spent in `save` (the whole write, or with a background write the
+    copy and any wait for the previous one); `drain_s` the final wait for the last background write.
     """
 
     def __init__(
@@ -172,8 +173,6 @@ class Checkpointer:
             self._write_and_seal(step, tmp, final, tensors, [rng_file])
             return final
         if self.stager is None:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
             # Host buffers kept from save to save (allocating them again costs 3-4x the copy, measured on CPU), pinned
             # when the state lives on a GPU; the copy itself in this thread, before training goes on.
             gpu = any(t.device.type == "cuda" for t in tensors.values())
