@@ -18,7 +18,8 @@ state: every rank holds all of it. Per save, on every rank: wall time until the 
     async     the same with checkpoint.async=true: the loop waits for a copy of the state; a thread writes it
 
 Each mode runs with the state replicated (DDP: every rank holds all of it) and sharded (FSDP2 `fully_shard` over a
-CPU mesh). Then two train.py runs of the same model (sync, async) give summary.json's checkpoint_blocking_s.
+CPU mesh). Then train.py runs of the same model (sync and async, a checkpoint every step and every 2 steps) give
+summary.json's checkpoint_blocking_s.
 
 Writes OUT/bench_checkpoint.json and OUT/bench_checkpoint.md; OUT defaults to runs/bench_checkpoint. The 1-minute
 load average is recorded next to every figure: on a shared machine it says how far to trust it.
@@ -195,31 +196,25 @@ def launch(mode: str, sharding: str, args: argparse.Namespace, out: Path) -> dic
         return json.loads(result_file.read_text())
 
 
-def train_py(background: bool, args: argparse.Namespace, out: Path) -> dict:
-    """The same model through train.py (synthetic data, a checkpoint after every step): summary.json's
-    checkpoint_blocking_s, the training loop's own count."""
+def train_py(background: bool, interval: int, args: argparse.Namespace, out: Path) -> dict:
+    """The same model through train.py (synthetic data, a checkpoint every `interval` steps, `args.saves` + 1 of
+    them): summary.json's checkpoint_blocking_s, the training loop's own count."""
     torchrun = str(Path(sys.executable).parent / "torchrun")
     with tempfile.TemporaryDirectory(dir=out) as tmp:
-        run = Path(tmp) / "run"
+        run, total = Path(tmp) / "run", interval * (args.saves + 1)
         model = [f"model.n_layer={args.layers}", f"model.n_head={max(1, args.width // 64)}", f"model.n_embd={args.width}"]
         model += ["model.block_size=64", f"model.vocab_size={args.vocab}", "model.dropout=0.0"]
-        steps = [
-            f"train.max_steps={args.saves + 1}",
-            "train.warmup_steps=0",
-            f"train.lr_decay_steps={args.saves + 1}",
-            "train.batch_size=1",
-        ]
-        rest = ["data.path=synthetic", "data.num_samples=20000", "checkpoint.interval=1", "checkpoint.keep=1", "eval.interval=0"]
-        rest += ["eval.iters=1", "tracker=none", f"checkpoint.async={str(background).lower()}", f"output_dir={run}"]
+        steps = [f"train.max_steps={total}", "train.warmup_steps=0", f"train.lr_decay_steps={total}", "train.batch_size=1"]
+        rest = ["data.path=synthetic", "data.num_samples=20000", f"checkpoint.interval={interval}", "checkpoint.keep=1"]
+        rest += ["eval.interval=0", "eval.iters=1", "tracker=none", f"checkpoint.async={str(background).lower()}", f"output_dir={run}"]
         cmd = [torchrun, "--standalone", "--nproc-per-node", str(args.nproc), "train.py", *model, *steps, *rest]
         load = os.getloadavg()[0]
-        done = subprocess.run(
-            cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": tmp}, capture_output=True, text=True, timeout=3600
-        )
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": tmp}
+        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
         if done.returncode != 0:
             raise SystemExit(f"train.py: exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
         summary = json.loads((run / "summary.json").read_text())
-        return {"async": background, "saves": args.saves + 1, "load": (load + os.getloadavg()[0]) / 2, **summary}
+        return {"async": background, "interval": interval, "saves": args.saves + 1, "load": (load + os.getloadavg()[0]) / 2, **summary}
 
 
 def table(runs: list[dict], args: argparse.Namespace) -> str:
@@ -252,15 +247,15 @@ def table(runs: list[dict], args: argparse.Namespace) -> str:
         lines += [
             "",
             f"Through train.py (`torchrun --nproc-per-node {args.nproc} train.py`, the same model, synthetic data, batch 1 x 64 "
-            f"tokens, a checkpoint after each of {trainer[0]['saves']} steps): summary.json's figures.",
+            f"tokens, {trainer[0]['saves']} checkpoints): summary.json's figures.",
             "",
-            "| checkpoint.async | checkpoint_blocking_s (all saves) | per save | checkpoint_drain_s | wall time | 1-min load |",
-            "|---|---|---|---|---|---|",
+            "| checkpoint.async | checkpoint.interval | checkpoint_blocking_s (all saves) | per save | checkpoint_drain_s | wall time | 1-min load |",
+            "|---|---|---|---|---|---|---|",
         ]
         for r in trainer:
             lines.append(
-                f"| {str(r['async']).lower()} | {r['checkpoint_blocking_s']:.2f} s | {r['checkpoint_blocking_s'] / r['saves']:.2f} s | "
-                f"{r['checkpoint_drain_s']:.2f} s | {r['wall_time_s']:.0f} s | {r['load']:.1f} |"
+                f"| {str(r['async']).lower()} | {r['interval']} | {r['checkpoint_blocking_s']:.2f} s | "
+                f"{r['checkpoint_blocking_s'] / r['saves']:.2f} s | {r['checkpoint_drain_s']:.2f} s | {r['wall_time_s']:.0f} s | {r['load']:.1f} |"
             )
     return "\n".join(lines)
 
@@ -298,9 +293,11 @@ def main() -> None:
             for mode in args.modes.split(","):
                 runs.append(launch(mode, sharding, args, args.out))
                 print(f"repeat {repeat + 1}: {sharding} {mode} done", flush=True)
-    for background in () if args.no_train_py else (False, True):
-        runs.append(train_py(background, args, args.out))
-        print(f"train.py checkpoint.async={background} done", flush=True)
+    # A checkpoint every step, then every 2 steps: a background write that takes longer than the steps between
+    # saves makes the next save wait for it.
+    for interval, background in () if args.no_train_py else ((1, False), (1, True), (2, False), (2, True)):
+        runs.append(train_py(background, interval, args, args.out))
+        print(f"train.py checkpoint.async={background} checkpoint.interval={interval} done", flush=True)
     (args.out / "bench_checkpoint.json").write_text(json.dumps(runs, indent=1))
     text = table(runs, args) + f"\n\nCommand: `python scripts/bench_checkpoint.py{' ' + ' '.join(sys.argv[1:]) if sys.argv[1:] else ''}`."
     (args.out / "bench_checkpoint.md").write_text(text + "\n")
