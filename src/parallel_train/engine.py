@@ -36,9 +36,8 @@ class RankState:
 
     model: dict[str, torch.Tensor]  # weights and buffers by canonical name (module.state_dict())
     module: nn.Module  # holds this rank's parameters under canonical names (named_parameters, load_state_dict)
-    optimizer: (
-        torch.optim.Optimizer | None
-    )  # the torch optimizer over exactly those parameters; None: no per-parameter state (DeepSpeed ZeRO)
+    # the torch optimizer over exactly those parameters; None where its state has no per-parameter form (DeepSpeed ZeRO)
+    optimizer: torch.optim.Optimizer | None
 
 
 class Engine(Protocol):
