@@ -4,9 +4,9 @@
 What accelerate does for accelerate_configs/fsdp.yaml on GPUs (each `Block` its own FSDP unit, then the root),
 minus accelerate itself (its prepare() cannot shard on CPU). Checks that each rank writes its own shards of the
 model and the optimizer (nothing gathered), synchronously and in the background, and that a checkpoint loads back
-into a sharded model and continues exactly like the unsharded one. Rank 0 leaves OUT/expected.safetensors (the
-whole state, gathered here only to check) for the test, which loads the checkpoint on one process. The same for a
-tensor-parallel MLP (column- and row-wise shards, a replicated bias): OUT/tp and OUT/tp_expected.safetensors.
+into a sharded model and continues like the unsharded one (to float rounding). Rank 0 leaves OUT/expected.safetensors
+(the whole state, gathered here only to check) for the test, which loads the checkpoint on one process. The same
+for a tensor-parallel MLP (column- and row-wise shards, a replicated bias): OUT/tp and OUT/tp_expected.safetensors.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def check(rank: int, world: int, out: Path) -> None:
     if rank == 0:
         save_file(expected, str(out / "expected.safetensors"))
 
-    # Load into a fresh sharded model (other weights, other lr): it continues exactly like the unsharded one.
+    # Load into a fresh sharded model (other weights, other lr): it continues like the unsharded one (to rounding).
     resumed = shard(build(seed=2), mesh)
     resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=1e-3)
     load_rank_state(folder, rank_state(resumed, resumed_opt))

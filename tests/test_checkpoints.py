@@ -242,5 +242,11 @@ def test_bench_checkpoint_script_end_to_end(tmp_path):
     cmd = [PYTHON, "scripts/bench_checkpoint.py", "--layers", "1", "--width", "64", "--vocab", "64", "--repeats", "1", "--saves", "1"]
     check(run([*cmd, "--out", str(out)], env=launch_env(tmp_path), timeout=900))
     table = (out / "bench_checkpoint.md").read_text()
-    for row in ("| DDP (replicated) | gathered |", "| DDP (replicated) | async |", "| FSDP2 (sharded) | sharded |", "| true | 2 |", "| false | 1 |"):
+    for row in (
+        "| DDP (replicated) | gathered |",
+        "| DDP (replicated) | async |",
+        "| FSDP2 (sharded) | sharded |",
+        "| true | 2 |",
+        "| false | 1 |",
+    ):
         assert row in table, table
