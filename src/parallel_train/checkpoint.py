@@ -7,7 +7,7 @@ Layout of `output_dir/checkpoints/step_0000500/`:
     optimizer.json           optimizer hyperparameters per param group (by parameter name), and non-tensor state
     rng_rank{R}.safetensors  every rank's torch CPU (and CUDA) generator state, for exact dropout on resume
     trainer_state.json       step, LR scheduler, best val loss, tracker run id, world size
-    config.yaml, vocab.json  the resolved config and the vocabulary of the run
+    config.yaml, vocab.json  the resolved config and the tokenizer of the run (tokenizer.json for BPE/Hugging Face)
     manifest.json            size, sha256 and writing rank of every file above; written last (checkpoint_manifest.py)
 
 Nothing is gathered whole on one rank: each rank writes and hashes its own files, the main process writes the
@@ -137,18 +137,16 @@ class Checkpointer:
         self.stager = None
         self.blocking_s = self.drain_s = 0.0
 
-    def save(self, engine, state: TrainingState, scheduler, config_yaml: str, vocab_json: str | None) -> Path:
-        """Checkpoint the step `state` is at: the engine's state, the trainer's, the config. A collective: every
-        rank calls it."""
+    def save(self, engine, state: TrainingState, scheduler, config_yaml: str, tokenizer_files: dict[str, str]) -> Path:
+        """Checkpoint the step `state` is at: the engine's state, the trainer's, the config and the tokenizer
+        (`tokenizer_files`: vocab.json or tokenizer.json, tokenization.py). A collective: every rank calls it."""
         started = time.perf_counter()
         self.wait()  # the previous background write first: its collectives and these must not interleave
         check_finite_weights(engine, state.step)  # never a checkpoint with NaN/inf weights (all ranks agree)
         trainer_state = dict(state.to_dict(), scheduler=scheduler.state_dict())
         if getattr(engine.accelerator, "scaler", None) is not None:  # fp16's loss scale (plain numbers)
             trainer_state["grad_scaler"] = engine.accelerator.scaler.state_dict()
-        files = {"trainer_state.json": json.dumps(trainer_state, indent=1), "config.yaml": config_yaml}
-        if vocab_json is not None:
-            files["vocab.json"] = vocab_json
+        files = {"trainer_state.json": json.dumps(trainer_state, indent=1), "config.yaml": config_yaml, **tokenizer_files}
         final = self.write(state.step, engine.rank_state(), files)
         self.blocking_s += time.perf_counter() - started
         return final
@@ -168,7 +166,7 @@ class Checkpointer:
         save_file(rng_state(), str(tmp / rng_file))
         if self.rank == 0:
             for name, text in {**files, "optimizer.json": json.dumps(merge_meta(parts), indent=1)}.items():
-                (tmp / name).write_text(text)
+                (tmp / name).write_text(text, encoding="utf-8")
         if not self.background:
             self._write_and_seal(step, tmp, final, tensors, [rng_file])
             return final
