@@ -14,6 +14,7 @@ import pytest
 
 from helpers import PYTHON, TINY, accelerate_cmd, check, launch_env, run, torchrun_cmd, train_cmd
 from parallel_train.config import REPO_ROOT, Config
+from parallel_train.config_fields import key_name
 
 pytestmark = pytest.mark.multiprocess
 
@@ -42,7 +43,7 @@ def config_keys(node, prefix=""):
         if dataclasses.is_dataclass(value):
             yield from config_keys(value, prefix + f.name + ".")
         else:
-            yield prefix + f.name, f, value
+            yield prefix + key_name(f.name), f, value  # `async_` is the key checkpoint.async
 
 
 def test_help_lists_every_config_key_with_type_default_and_description():
