@@ -8,6 +8,7 @@ raised after the run was found (resume=auto) are held to the same rule as config
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pickle
 import shutil
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY, check, launch_env, run, train_cmd
+from helpers import PYTHON, TINY, check, launch_env, run, train_cmd
 from parallel_train import checkpoint
 from parallel_train.prepare import Options, prepare
 
@@ -89,7 +90,7 @@ CASES = [
     ("heads_do_not_divide", ["model.n_embd=31"], "model.n_embd (31) must be divisible by model.n_head"),
     ("min_lr_above_lr", ["train.min_lr=0.5"], "train.min_lr (0.5) must not exceed train.learning_rate"),
     ("keep_zero", ["checkpoint.keep=0"], "checkpoint.keep: must be >= 1"),
-    ("timeout_zero", ["parallel.timeout_s=0"], "parallel.timeout_s: must be >= 1"),
+    ("timeout_zero", ["parallel.timeout_s=0"], "parallel.timeout_s: must be in [1, "),
     ("skipped_negative", ["train.max_skipped_steps=-1"], "train.max_skipped_steps: must be >= 0"),
     ("stray_argument", ["fast"], "unexpected argument 'fast'"),
     ("config_file_missing", ["--config", "{files}/nope.yaml"], "nope.yaml: no such file"),
@@ -122,34 +123,43 @@ CASES = [
 ]
 
 
-# Checked by the same code path as a case in the default run (config.py's coercion and range checks):
-# run with -m slow. The default run keeps 25 cases, one per kind of input.
-SLOW = {
-    "int_with_fraction",
-    "bool_word",
-    "dropout_range",
-    "learning_rate_nan",
-    "min_lr_above_lr",
-    "keep_zero",
-    "timeout_zero",
-    "skipped_negative",
-    "config_file_a_list",
-    "section_as_value",
-    "prepared_shard_truncated",  # also a launch in test_data_scale.py (a node's partial copy), and in process in test_prepared_data.py
-}
-
-
-@pytest.mark.parametrize("args, expected", [pytest.param(a, e, id=i, marks=[pytest.mark.slow] if i in SLOW else []) for i, a, e in CASES])
-def test_bad_input(env, args, expected):
-    fill = {"run": str(env["run"]), "files": str(env["files"])}
-    args = [a.format(**fill) for a in args]
+def fill(args: list[str], env) -> list[str]:
+    args = [a.format(run=env["run"], files=env["files"]) for a in args]
     if not any(a.startswith("output_dir=") for a in args):
         args.append(f"output_dir={env['run']}")
+    return [*BASE, *args]
+
+
+@pytest.fixture(scope="module")
+def results(env):
+    """Every case, each in its own process forked from one that imported the template once (bad_input_runner.py)."""
     before = snapshot(env["run"])
-    result = run(train_cmd(*BASE, *args), env=launch_env(env["tmp"]), timeout=180)
-    assert result.returncode == 2, result.output[-3000:]
-    assert "Traceback" not in result.output, result.output[-3000:]
-    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and expected in errors[0], result.output[-3000:]
-    assert snapshot(env["run"]) == before
+    cases = env["tmp"] / "cases.json"
+    cases.write_text(json.dumps([[case_id, fill(args, env)] for case_id, args, _ in CASES]))
+    out = env["tmp"] / "results.json"
+    cmd = [PYTHON, "tests/bad_input_runner.py", str(cases), str(out), str(env["run"])]
+    check(run(cmd, env=launch_env(env["tmp"]), timeout=1200))
+    return before, json.loads(out.read_text())
+
+
+def assert_one_line_error(returncode: int, output: str, expected: str) -> None:
+    assert returncode == 2, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and expected in errors[0], output[-3000:]
+
+
+@pytest.mark.parametrize("case_id, expected", [pytest.param(i, e, id=i) for i, _, e in CASES])
+def test_bad_input(env, results, case_id, expected):
+    before, outcome = results
+    assert_one_line_error(outcome[case_id]["returncode"], outcome[case_id]["stdout"] + outcome[case_id]["stderr"], expected)
+    assert {k: tuple(v) for k, v in outcome[case_id]["snapshot"].items()} == before
     assert not list(env["tmp"].glob("pwned_*")), "a checkpoint executed code"
+
+
+def test_a_launch_of_train_py_says_the_same(env):
+    """The forked cases run train.py's own entry point; one real launch shows the launch path ends the same way."""
+    before = snapshot(env["run"])
+    result = run(train_cmd(*fill(["checkpoint.keep=0"], env)), env=launch_env(env["tmp"]), timeout=180)
+    assert_one_line_error(result.returncode, result.output, "checkpoint.keep: must be >= 1")
+    assert snapshot(env["run"]) == before
