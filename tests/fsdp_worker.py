@@ -76,7 +76,7 @@ def check(rank: int, world: int) -> None:
     ref_tensors, ref_meta = optimizer_state_by_name(reference, ref_opt)
     if rank == 0:
         assert sorted(tensors) == sorted(ref_tensors), sorted(set(tensors) ^ set(ref_tensors))
-        assert "blocks.0.attn.qkv.weight/exp_avg" in tensors
+        assert "blocks.0.attn.q.weight/exp_avg" in tensors
         for key, value in tensors.items():
             assert not is_sharded(value) and value.shape == ref_tensors[key].shape, key
             torch.testing.assert_close(value, ref_tensors[key], rtol=1e-4, atol=1e-6, msg=key)

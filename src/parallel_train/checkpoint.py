@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from parallel_train.dtensor_state import is_sharded, shard_like, to_full
+from parallel_train.dtensor_state import is_sharded, shard_like, to_full, upgrade_names
 from parallel_train.errors import UserError
 
 PREFIX = "step_"
@@ -176,16 +176,18 @@ def resolve_resume(resume: str, root: Path, warn) -> Path | None:
 # ---------------------------------------------------------------- optimizer state by parameter name
 
 
-def optimizer_state_by_name(model, optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def optimizer_state_by_name(model, optimizer, keep: bool | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The optimizer's state keyed by parameter names instead of positions.
 
     Positions depend on how the model was cut (a pipeline stage holds a few parameters); names do not,
     so a checkpoint from any topology loads into any other. Sharded (FSDP2 DTensor) states are gathered
-    into whole tensors (a collective: every rank calls this) and kept on global rank 0 only, which writes them.
+    into whole tensors (a collective: every rank calls this) and kept where `keep` is true (default: on
+    global rank 0 only, which writes them; a pipeline stage keeps them on its own first rank).
     """
     names = {id(p): n for n, p in model.named_parameters()}
     params = [p for g in optimizer.param_groups for p in g["params"]]
     sd = optimizer.state_dict()
+    keeper = keep if keep is not None else (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0)
     if "state" not in sd:  # DeepSpeed ZeRO keeps flat partitions, not one state per parameter: nothing to name
         return {}, {"param_groups": [], "scalars": {}, "missing": "DeepSpeed ZeRO optimizer state (partitioned) is not saved"}
     tensors: dict[str, torch.Tensor] = {}
@@ -195,7 +197,7 @@ def optimizer_state_by_name(model, optimizer) -> tuple[dict[str, torch.Tensor], 
         for key, value in param_state.items():
             if is_sharded(value):  # gather on every rank (a collective); only the writer keeps it, to spare host RAM
                 full = to_full(value)
-                if torch.distributed.get_rank() == 0:
+                if keeper:
                     tensors[f"{name}/{key}"] = full.detach().contiguous().cpu()
             elif torch.is_tensor(value):
                 tensors[f"{name}/{key}"] = value.detach().contiguous().cpu()
@@ -211,6 +213,8 @@ def load_optimizer_by_name(model, optimizer, tensors: dict[str, torch.Tensor], m
     """Inverse of optimizer_state_by_name, for whichever parameters this optimizer holds."""
     names = {id(p): n for n, p in model.named_parameters()}
     sd = optimizer.state_dict()
+    tensors = upgrade_names(model, tensors)  # checkpoints from before a parameter rename (e.g. GPT's fused qkv)
+    meta = {**meta, "scalars": upgrade_names(model, meta.get("scalars", {}))}
     if "missing" in meta or "state" not in sd:  # saved under DeepSpeed ZeRO, or loading into it: the optimizer starts fresh
         return
     params = [p for g in optimizer.param_groups for p in g["params"]]

@@ -36,7 +36,26 @@ def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return distribute_tensor(full.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
 
 
+def gather_full_state(module: nn.Module, keep: bool) -> dict[str, torch.Tensor]:
+    """`module`'s state as whole tensors on the CPU, kept only where `keep` ({} elsewhere). A collective over
+    the meshes of its DTensors (FSDP2, tensor parallel): every rank of those meshes calls it, in the same order."""
+    out = {}
+    for key, value in module.state_dict().items():
+        full = to_full(value)  # one tensor at a time: host memory holds one whole tensor beyond the state
+        if keep:
+            out[key] = full.detach().contiguous().cpu()
+    return out
+
+
+def upgrade_names(model: nn.Module, state: dict) -> dict:
+    """Keys of checkpoints written before a model renamed its parameters, converted by the model's own
+    `upgrade_state_dict` (models/gpt.py: the fused qkv), if it has one."""
+    upgrade = getattr(model, "upgrade_state_dict", None)
+    return upgrade(state) if upgrade is not None else state
+
+
 def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """`model.load_state_dict(state)` for whole tensors, also when `model`'s parameters are sharded DTensors."""
+    state = upgrade_names(model, state)
     current = model.state_dict()
     model.load_state_dict({k: shard_like(v, current[k]) if k in current else v for k, v in state.items()})
