@@ -130,8 +130,9 @@ def resolve_layout(cfg: Config, world: int, env: dict[str, str] | None = None) -
     layout = MeshLayout(dp_replicate=r, dp_shard=s, pp=pp, tp=t)
     if layout.world != world:
         raise UserError(
-            f"the mesh parallel.dp_replicate x dp_shard x pipeline_stages x tp = {r} x {s} x {pp} x {t} = {layout.world}, "
-            f"but {world} process{'es' if world > 1 else ''} were launched; launch {layout.world} or make the product {world}"
+            f"the mesh dp_replicate x dp_shard x pipeline_stages x tp = {r} x {s} x {pp} x {t} = {layout.world} (parallel.* keys and "
+            f"the launch config), but {world} process{'es were' if world > 1 else ' was'} launched; launch {layout.world} "
+            f"processes or change parallel.dp_replicate / dp_shard / tp / pipeline_stages so that the product is {world}"
         )
     return layout
 
