@@ -190,6 +190,31 @@ def test_a_tp_x_pipeline_checkpoint_continues_as_one_process(launched, tmp_path)
     assert_same_training(out, ref, steps=range(4, 7))
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("nproc", "overrides", "message"),
+    [
+        (3, (*TINY, "parallel.tp=3"), "error: parallel.tp=3 does not divide model.n_head=2: each rank holds whole heads"),
+        (
+            2,
+            ("--config", "configs/seed_mlp.yaml", "train.max_steps=2", "parallel.tp=2"),
+            "error: parallel.tp=2: SeedMLP has no tensor-parallel plan",
+        ),
+        (
+            2,
+            (*TINY, "parallel.tp=2", "parallel.stage_devices=[cpu,cpu]", "parallel.pipeline_stages=2"),
+            "error: parallel.stage_devices (all stages",
+        ),
+    ],
+)
+def test_bad_mesh_launches_are_one_line_errors(tmp_path, nproc, overrides, message):
+    r = run(torchrun_cmd(nproc, *overrides, f"output_dir={tmp_path / 'bad'}"), env=launch_env(tmp_path), timeout=300)
+    assert r.returncode != 0 and message in r.stderr, r.output[-3000:]
+    assert len([line for line in r.stderr.splitlines() if line.startswith("error:")]) == 1
+    assert not (tmp_path / "bad" / "config.yaml").exists()
+
+
 # ---------------------------------------------------------------- checkpoints from before the q/k/v split
 
 
