@@ -3,11 +3,11 @@
 bare torch loop that does the same without the template (scripts/bare_loop.py --mode ddp|fsdp|tp: torch DDP,
 `fully_shard`, `parallelize_module`).
 
-    python scripts/bench_mesh.py                        3 repeats x 3 modes x 2 runners, about 10 minutes
+    python scripts/bench_mesh.py                        3 repeats x 3 modes x 2 runners, 10-25 minutes
     python scripts/bench_mesh.py --repeats 5 --steps 60 --modes fsdp tp
     python scripts/bench_mesh.py --update-docs          also write the table into docs/BENCHMARKS.md
 
-Model: 8 layers x 512 wide (8 heads, 25M parameters), context 128, batch 8 per data-parallel rank, fp32, one
+Model: 8 layers x 512 wide (8 heads, 25M parameters), context 64, batch 4 per data-parallel rank, fp32, one
 thread per process, Tiny Shakespeare. Each figure is a real launch with torchrun; steady-state tokens/s (the
 first log interval left out: summary.json for train.py, the loop's own count for the bare one). Every repeat
 runs each mode's bare loop and train.py back to back (a pair): the ratio template / bare is the median of the
@@ -39,8 +39,8 @@ MODEL = (
     "model.n_layer=8",
     "model.n_head=8",
     "model.n_embd=512",
-    "model.block_size=128",
-    "train.batch_size=8",
+    "model.block_size=64",
+    "train.batch_size=4",
     "train.warmup_steps=0",
     "train.mixed_precision=no",
 )
@@ -77,7 +77,7 @@ def launch(runner: str, mode: str, steps: int, tmp: Path) -> dict:
 
 def table(cells: dict, modes: list[str], steps: int, repeats: int, loads: dict, command: str) -> str:
     lines = [
-        f"2 CPU processes x 1 thread, gloo; GPT 8 layers x 512 wide (25.3M parameters), context 128, batch 8 per "
+        f"2 CPU processes x 1 thread, gloo; GPT 8 layers x 512 wide (25.3M parameters), context 64, batch 4 per "
         f"data-parallel rank, fp32; {steps} steps per launch, {repeats} back-to-back pairs per mode; "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Command: `{command}`.",
         "",
@@ -110,7 +110,7 @@ def update_docs(text: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modes", nargs="+", default=["ddp", "fsdp", "tp"], choices=list(KEYS))
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--update-docs", action="store_true")
     args = ap.parse_args()
