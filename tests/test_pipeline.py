@@ -66,7 +66,9 @@ def test_time_split_balances_measured_time_not_parameters():
     model = build_model(GPTConfig(n_layer=4, n_head=2, n_embd=32, block_size=16), 50_000)
     units = list(model_units(model))
     x = torch.randint(0, 50_000, (4, 16))
-    seconds = dict(zip(units, unit_times(model, units, x, x, torch.device("cpu")), strict=True))
+    # The fastest of 3 measurements per unit: a busy machine (CI runners, other jobs) can stall any one of them.
+    runs = [unit_times(model, units, x, x, torch.device("cpu")) for _ in range(3)]
+    seconds = {unit: min(times) for unit, times in zip(units, zip(*runs, strict=True), strict=True)}
     assert max(seconds, key=seconds.get) == "head" and seconds["head"] > 3 * seconds["tok_emb"], seconds
     stages = plan_stages(model, 2, "time", lambda names: [seconds[n] for n in names])
     # The head alone (ln_f, near free, may join it): every block on stage 0. auto (parameters) cuts between blocks.

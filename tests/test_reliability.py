@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from helpers import REPO, TINY, check, launch_env, read_metrics, run, torchrun_cmd, train_cmd
 from parallel_train import checkpoint, faults
-from parallel_train.guards import collective_failure_message
+from parallel_train.errors import collective_failure_message
 
 pytestmark = pytest.mark.multiprocess
 

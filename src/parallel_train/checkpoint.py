@@ -27,8 +27,11 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from parallel_train import faults
 from parallel_train.dtensor_state import is_sharded, shard_like, to_full, upgrade_names
 from parallel_train.errors import UserError
+from parallel_train.guards import check_finite_weights
+from parallel_train.train_state import TrainingState
 
 PREFIX = "step_"
 MANIFEST = "manifest.json"
@@ -246,17 +249,14 @@ def save(
     root: Path,
     step: int,
     scheduler,
-    state: dict[str, Any],
+    state: TrainingState,
     config_yaml: str,
     vocab_json: str | None,
     keep: int,
     protect: Path | None = None,
     keep_best: bool = False,
 ) -> Path:
-    """Write checkpoint `step` atomically. A collective: every rank must call it."""
-    from parallel_train import faults
-    from parallel_train.guards import check_finite_weights
-
+    """Write checkpoint `step` (the step `state` is at) atomically. A collective: every rank must call it."""
     accelerator = engine.accelerator
     check_finite_weights(engine, step)  # never a checkpoint with NaN/inf weights (all ranks agree)
     final = root / checkpoint_name(step)
@@ -280,7 +280,7 @@ def save(
         faults.in_save(step)  # test-only: a kill here must leave the previous checkpoint valid
         save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
         (tmp / "optimizer.json").write_text(json.dumps(opt_meta, indent=1))
-        full_state = dict(state, step=step, scheduler=scheduler.state_dict(), world_size=accelerator.num_processes)
+        full_state = dict(state.to_dict(), scheduler=scheduler.state_dict())
         if getattr(accelerator, "scaler", None) is not None:  # fp16's loss scale (plain numbers)
             full_state["grad_scaler"] = accelerator.scaler.state_dict()
         (tmp / "trainer_state.json").write_text(json.dumps(full_state, indent=1))
@@ -331,7 +331,7 @@ def prune(root: Path, keep: int, protect: Path | None = None, keep_best: bool = 
 # ---------------------------------------------------------------- load
 
 
-def topology_notice(saved: dict[str, Any], world: int, global_batch: int) -> str | None:
+def topology_notice(saved: TrainingState, world: int, global_batch: int) -> str | None:
     """One line when a run resumes on another number of processes or another global batch.
 
     Model and optimizer state are whole tensors keyed by name, so they load into any topology. The data
@@ -339,7 +339,7 @@ def topology_notice(saved: dict[str, Any], world: int, global_batch: int) -> str
     reads exactly the samples the old one would have; with another, step k reads the k-th slice of the new
     size from the same shuffled stream, so a few samples are skipped or seen twice at the switch.
     """
-    old_world, old_batch = saved.get("world_size"), saved.get("global_batch")
+    old_world, old_batch = saved.world_size, saved.global_batch
     if old_world == world and old_batch in (None, global_batch):
         return None
     line = (
@@ -366,8 +366,8 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
         ) from None
 
 
-def load(folder: Path, engine, scheduler) -> dict[str, Any]:
-    """Restore model, optimizer, scheduler and this rank's RNG from `folder`; return the trainer state."""
+def load(folder: Path, engine, scheduler) -> TrainingState:
+    """Restore model, optimizer, scheduler and this rank's RNG from `folder`; return the training state it saved."""
     accelerator = engine.accelerator
     state = json.loads((folder / "trainer_state.json").read_text())
     try:
@@ -394,4 +394,4 @@ def load(folder: Path, engine, scheduler) -> dict[str, Any]:
             cuda = [rng[k] for k in sorted(k for k in rng if k.startswith("cuda_"))]
             if len(cuda) == torch.cuda.device_count():
                 torch.cuda.set_rng_state_all(cuda)
-    return state
+    return TrainingState.from_dict(state)

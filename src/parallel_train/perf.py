@@ -1,10 +1,11 @@
-"""Speed settings and the peak FLOP/s of known accelerators, for model FLOPs utilisation (MFU)."""
+"""Speed settings, the peak FLOP/s of known accelerators (for model FLOPs utilisation, MFU), and the tokens/s meter."""
 
 from __future__ import annotations
 
 import ctypes
 import os
 import platform
+import time
 from pathlib import Path
 
 import torch
@@ -84,3 +85,32 @@ def process_age_s() -> float | None:
     except (OSError, ValueError, IndexError):
         return None
     return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+
+
+class Throughput:
+    """Tokens per second over each log interval, not counting the pauses for evaluation and checkpoints; the
+    steady rate over the whole run leaves out the first interval (compilation, allocator and cache warm-up)."""
+
+    def __init__(self) -> None:
+        self.t_last, self.paused, self.tokens = time.perf_counter(), 0.0, 0
+        self.steady_tokens, self.steady_time = 0, 0.0
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    def pause(self, seconds: float) -> None:
+        self.paused += seconds
+
+    def interval(self, warm: bool) -> tuple[float, float]:
+        """(tokens/s, seconds) of the interval since the last call; `warm` intervals count towards the steady rate."""
+        now = time.perf_counter()
+        elapsed = max(now - self.t_last - self.paused, 1e-9)
+        rate = self.tokens / elapsed
+        if warm:
+            self.steady_tokens, self.steady_time = self.steady_tokens + self.tokens, self.steady_time + elapsed
+        self.t_last, self.paused, self.tokens = now, 0.0, 0
+        return rate, elapsed
+
+    @property
+    def steady_tokens_per_sec(self) -> float | None:
+        return self.steady_tokens / self.steady_time if self.steady_time else None

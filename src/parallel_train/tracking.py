@@ -11,7 +11,6 @@ import netrc
 import os
 import socket
 import urllib.parse
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -64,10 +63,6 @@ def prepare_tracker_env(tracker: str, output_dir: Path, notice: Callable[[str], 
             host, port = wandb_server()
             notice(f"wandb: cannot reach {host}:{port}, logging offline (upload later with `wandb sync`)")
     return f"wandb ({os.environ.get('WANDB_MODE', 'online')})"
-
-
-def new_run_id() -> str:
-    return uuid.uuid4().hex[:12]
 
 
 def flat_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -1,7 +1,12 @@
-"""The training loop, top to bottom: set up, train, evaluate, checkpoint, write the results.
+"""The training loop as a Trainer with named phases, read top to bottom:
 
-Parallelism comes from the Accelerator (DDP over however many processes the launcher started) and from
-the data sharding in data.py; nothing here depends on the topology.
+    set up     output folder, Accelerator, data, model, optimizer, engine, resume, guards, trackers
+    train      one optimizer step at a time (`train_step`), with `log`, `evaluate` and `save` when due
+    finish     final weights, summary.json, the loss picture
+    close      one clean-up path (try/finally), whatever ended the loop
+
+Parallelism lives in the engine (engine.py; topology.py picks one) and in the data sharding (batch_sampler.py):
+nothing here depends on the topology. What a checkpoint stores besides tensors is `self.state` (train_state.py).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from parallel_train import checkpoint, faults
@@ -26,11 +32,12 @@ from parallel_train.guards import RunGuard, check_finite_weights, stop_message
 from parallel_train.messages import train_line
 from parallel_train.models import build_model
 from parallel_train.optim import build_optimizer, build_scheduler
-from parallel_train.perf import configure_backends, mfu, peak_flops, process_age_s
+from parallel_train.perf import Throughput, configure_backends, mfu, peak_flops, process_age_s
 from parallel_train.plots import PICTURE, plot_runs
 from parallel_train.tokenization import load_vocab
 from parallel_train.topology import build_engine, describe
-from parallel_train.tracking import MetricsLog, finish_trackers, init_trackers, new_run_id, prepare_tracker_env
+from parallel_train.tracking import MetricsLog, finish_trackers, init_trackers, prepare_tracker_env
+from parallel_train.train_state import TrainingState
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "model.safetensors")
 
@@ -87,191 +94,245 @@ def fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4f}"  # None: not measured yet (no log or eval step so far)
 
 
-def run(cfg: Config, config_path: str | None) -> int:
-    t_start = time.perf_counter()
-    out = check_output_dir(cfg)
-    ckpt_root = out / "checkpoints"
-    resume_from = checkpoint.resolve_resume(cfg.resume, ckpt_root, warn=lambda m: say(f"warning: {m}"))
-    tracker_word = prepare_tracker_env(cfg.tracker, out, say)
+class Trainer:
+    def __init__(self, cfg: Config, config_path: str | None):
+        """Set up everything the loop needs; nothing is trained yet. Every rank runs this, in this order."""
+        self.t_start = time.perf_counter()
+        self.cfg = cfg
+        self.out = check_output_dir(cfg)
+        self.ckpt_root = self.out / "checkpoints"
+        self.resume_from = checkpoint.resolve_resume(cfg.resume, self.ckpt_root, warn=lambda m: say(f"warning: {m}"))
+        tracker_word = prepare_tracker_env(cfg.tracker, self.out, say)
 
-    accelerator = make_accelerator(cfg, say)
-    world, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
-    configure_backends(cfg.train, device)
-    A = cfg.train.gradient_accumulation_steps
-    say(
-        f"[parallel_train] {describe(accelerator)} | world size {world} | device {device} | "
-        f"precision {accelerator.mixed_precision} | config {config_path or 'defaults'} | output_dir {out} | tracker {tracker_word}"
-    )
+        self.accelerator = make_accelerator(cfg, say)
+        self.device = self.accelerator.device
+        configure_backends(cfg.train, self.device)
+        say(
+            f"[parallel_train] {describe(self.accelerator)} | world size {self.accelerator.num_processes} | device {self.device} | "
+            f"precision {self.accelerator.mixed_precision} | config {config_path or 'defaults'} | output_dir {self.out} | tracker {tracker_word}"
+        )
+        self._set_up_model_and_engine()
+        self._resume_or_start()
+        self._open_outputs()
 
-    # ---- data (the vocab of a resumed run is reused, so token ids cannot shift)
-    vocab = load_vocab(resume_from / "vocab.json") if resume_from and (resume_from / "vocab.json").exists() else None
-    data = load_data(cfg, vocab)
+    def _set_up_model_and_engine(self) -> None:
+        """Data, model, optimizer, schedule, engine. The same seed on every rank: identical initial weights."""
+        cfg, rank = self.cfg, self.accelerator.process_index
+        resumed_vocab = self.resume_from / "vocab.json" if self.resume_from else None
+        # The vocab of a resumed run is reused, so token ids cannot shift.
+        self.data = load_data(cfg, load_vocab(resumed_vocab) if resumed_vocab and resumed_vocab.exists() else None)
+        torch.manual_seed(cfg.train.seed)
+        model = build_model(cfg.model, self.data.vocab_size)
+        self.optimizer = build_optimizer(model, cfg.train, fused=self.device.type == "cuda")
+        self.scheduler = build_scheduler(self.optimizer, cfg.train)
+        self.engine = build_engine(cfg, self.accelerator, model, self.optimizer, val_loader(self.data, cfg))
+        self.global_batch = cfg.train.batch_size * self.engine.dp_size * cfg.train.gradient_accumulation_steps
+        say(
+            f"[parallel_train] engine: {self.engine.name} | global batch {cfg.train.batch_size} x {self.engine.dp_size} data-parallel "
+            f"ranks x {cfg.train.gradient_accumulation_steps} accumulation = {self.global_batch} samples per optimizer step"
+        )
+        torch.manual_seed(cfg.train.seed + 1 + rank)  # per-rank dropout masks
 
-    # ---- model, optimizer, schedule. Same seed on every rank: identical initial weights.
-    torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model, data.vocab_size)
-    optimizer = build_optimizer(model, cfg.train, fused=device.type == "cuda")
-    scheduler = build_scheduler(optimizer, cfg.train)
-    engine = build_engine(cfg, accelerator, model, optimizer, val_loader(data, cfg))
-    say(
-        f"[parallel_train] engine: {engine.name} | global batch {cfg.train.batch_size} x {engine.dp_size} data-parallel "
-        f"ranks x {A} accumulation = {cfg.train.batch_size * engine.dp_size * A} samples per optimizer step"
-    )
-    torch.manual_seed(cfg.train.seed + 1 + rank)  # per-rank dropout masks
+    def _resume_or_start(self) -> None:
+        """The training state: a fresh one, or the checkpoint's (weights, optimizer, schedule and RNG restored)."""
+        self.state = TrainingState()
+        if self.resume_from is not None:
+            self.state = checkpoint.load(self.resume_from, self.engine, self.scheduler)
+            say(f"[parallel_train] resumed from {self.resume_from} at step {self.state.step}")
+            notice = checkpoint.topology_notice(self.state, self.accelerator.num_processes, self.global_batch)
+            if notice:
+                say(notice)
+        self.start_step = self.state.step
+        self.state.world_size, self.state.global_batch = self.accelerator.num_processes, self.global_batch
+        # guards.py: stop signals, non-finite loss/gradients, the stop step all ranks agree on
+        self.guard = RunGuard(self.accelerator, self.cfg.train.max_skipped_steps, self.cfg.parallel.timeout_s, self.state.skipped_steps)
+        self.engine.update_allowed = self.guard.update_allowed
+        faults.install(self.engine.model, lambda: self.guard.step)  # test-only; nothing unless PARALLEL_TRAIN_FAULT is set
 
-    state = {"best_val_loss": None, "final_val_loss": None, "final_train_loss": None, "run_id": new_run_id()}
-    start_step = 0
-    if resume_from is not None:
-        state.update(checkpoint.load(resume_from, engine, scheduler))
-        start_step = state.pop("step")
-        say(f"[parallel_train] resumed from {resume_from} at step {start_step}")
-        notice = checkpoint.topology_notice(state, world, cfg.train.batch_size * engine.dp_size * A)
-        if notice:
-            say(notice)
-    state["global_batch"] = cfg.train.batch_size * engine.dp_size * A
-    # guards.py: stop signals, non-finite loss/gradients, the stop step all ranks agree on
-    guard = RunGuard(accelerator, cfg.train.max_skipped_steps, cfg.parallel.timeout_s, state.get("skipped_steps", 0))
-    engine.update_allowed = guard.update_allowed
-    faults.install(engine.model, lambda: guard.step)  # test-only; nothing unless PARALLEL_TRAIN_FAULT is set
-
-    config_yaml = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-    vocab_json = data.vocab.to_json() if data.vocab else None
-    if accelerator.is_main_process:
-        save_config(cfg, out / "config.yaml")
-        if data.vocab is not None:
-            (out / "vocab.json").write_text(vocab_json)
-    metrics = MetricsLog(out / "metrics.jsonl", accelerator, cfg.tracker)
-    metrics.truncate_after(start_step)
-    init_trackers(accelerator, cfg.tracker, cfg.to_dict(), out, state["run_id"])
-
-    batches = TimedIterator(iter(train_loader(data, cfg, engine.dp_size, engine.dp_rank, start_step, pin_memory=device.type == "cuda")))
-    flops_per_token, peak = engine.flops_per_token(), peak_flops(device, accelerator.mixed_precision, cfg.train)
-
-    def save_checkpoint(step: int) -> None:
-        state["skipped_steps"] = guard.skipped
-        checkpoint.save(
-            engine,
-            ckpt_root,
-            step,
-            scheduler,
-            state,
-            config_yaml,
-            vocab_json,
-            keep=cfg.checkpoint.keep,
-            protect=resume_from,
-            keep_best=cfg.checkpoint.keep_best,
+    def _open_outputs(self) -> None:
+        """config.yaml and vocab.json, metrics.jsonl (cut back to the resumed step), trackers, the batch stream."""
+        cfg, accelerator = self.cfg, self.accelerator
+        self.config_yaml = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+        self.vocab_json = self.data.vocab.to_json() if self.data.vocab else None
+        if accelerator.is_main_process:
+            save_config(cfg, self.out / "config.yaml")
+            if self.vocab_json is not None:
+                (self.out / "vocab.json").write_text(self.vocab_json)
+        self.metrics = MetricsLog(self.out / "metrics.jsonl", accelerator, cfg.tracker)
+        self.metrics.truncate_after(self.start_step)
+        init_trackers(accelerator, cfg.tracker, cfg.to_dict(), self.out, self.state.run_id)
+        loader = train_loader(
+            self.data, cfg, self.engine.dp_size, self.engine.dp_rank, self.start_step, pin_memory=self.device.type == "cuda"
+        )
+        self.batches = TimedIterator(iter(loader))
+        self.flops_per_token = self.engine.flops_per_token()
+        self.peak = peak_flops(self.device, accelerator.mixed_precision, cfg.train)
+        self.speed = Throughput()
+        self.first_step_s: float | None = None
+        self.pbar = tqdm(
+            total=cfg.train.max_steps,
+            initial=self.start_step,
+            disable=None if accelerator.is_main_process else True,
+            dynamic_ncols=True,
+            desc="train",
         )
 
-    def due(step: int, interval: int) -> bool:
-        return step == cfg.train.max_steps or (interval > 0 and step % interval == 0)
+    # ---------------------------------------------------------------- the loop
 
-    # ---- train
-    pbar = tqdm(
-        total=cfg.train.max_steps,
-        initial=start_step,
-        disable=None if accelerator.is_main_process else True,
-        dynamic_ncols=True,
-        desc="train",
-    )
-    first_step_s = None
-    t_log, paused, steady_tokens, steady_time, tokens_since = time.perf_counter(), 0.0, 0, 0.0, 0
-    guard.signals.install()  # from here on SIGTERM/SIGUSR1/SIGINT stop at an agreed step, with a checkpoint
-    for step in range(start_step, cfg.train.max_steps):
-        lr = optimizer.param_groups[0]["lr"]
-        guard.begin_step(step + 1)
-        loss, tokens = engine.train_step(batches)
-        scheduler.step()
-        done = step + 1
-        faults.after_step(done)
-        # All ranks agree on "stop signal?" and "non-finite?" (raises naming the step) before anything is logged or saved.
-        stop = guard.end_step(done, loss, force=due(done, cfg.train.log_interval) or due(done, cfg.checkpoint.interval))
-        tokens_since += tokens * engine.dp_size
-        pbar.update(1)
-        if first_step_s is None:  # from the process's start: imports and set-up count
-            first_step_s = process_age_s() or time.perf_counter() - t_start
+    def run(self) -> int:
+        """Train to train.max_steps (or an agreed stop), then finish; close on every way out."""
+        finished_cleanly = False
+        self.guard.signals.install()  # from here on SIGTERM/SIGUSR1/SIGINT stop at an agreed step, with a checkpoint
+        try:
+            if self.train():
+                self.finish()
+            finished_cleanly = True
+        finally:
+            self.close(finished_cleanly)
+        return 0
 
-        if due(done, cfg.train.log_interval):
-            # The only host-device sync of the step, and only on log steps: mean over ranks and micro-batches.
-            train_loss = engine.mean_loss(loss).item()
-            state["final_train_loss"] = train_loss
-            now = time.perf_counter()
-            elapsed = max(now - t_log - paused, 1e-9)
-            tok_s = tokens_since / elapsed
-            if done > start_step + cfg.train.log_interval:  # the first interval holds warm-up; leave it out
-                steady_tokens, steady_time = steady_tokens + tokens_since, steady_time + elapsed
-            steps_in_interval = min(cfg.train.log_interval, done - start_step) or 1
-            record = {
-                "kind": "train",
-                "step": done,
-                "loss": train_loss,
-                "lr": lr,
-                "tokens_per_sec": tok_s,
-                "step_time_s": elapsed / steps_in_interval,
-                "data_time_frac": min(1.0, batches.seconds / elapsed),
-                "mfu": mfu(flops_per_token, tok_s, peak, world),
-            }
-            metrics.log(record)
-            pbar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{tok_s:,.0f}")
-            say(train_line(record, cfg.train.max_steps))  # plain lines: the bar is off when stderr is not a terminal
-            t_log, paused, tokens_since, batches.seconds = now, 0.0, 0, 0.0
+    def train(self) -> bool:
+        """The steps from the resumed one on. False if a stop signal ended them early (a checkpoint was written)."""
+        cfg = self.cfg
+        for _ in range(self.start_step, cfg.train.max_steps):
+            lr = self.optimizer.param_groups[0]["lr"]
+            loss, done = self.train_step()
+            # All ranks agree on "stop signal?" and "non-finite?" (raises naming the step) before anything is logged or saved.
+            stop = self.guard.end_step(done, loss, force=self.due(cfg.train.log_interval) or self.due(cfg.checkpoint.interval))
+            if self.due(cfg.train.log_interval):
+                self.log(loss, lr)
+            t_pause = time.perf_counter()
+            if self.due(cfg.eval.interval):
+                self.evaluate()
+            preempted = stop is not None and done < cfg.train.max_steps
+            if self.due(cfg.checkpoint.interval) or preempted:
+                self.save()
+            self.speed.pause(time.perf_counter() - t_pause)  # evaluation and checkpoints are not training time
+            if preempted:  # the checkpoint is written on all ranks; leave cleanly
+                self.pbar.close()
+                say(stop_message(stop, done, cfg.train.max_steps, self.ckpt_root / checkpoint.checkpoint_name(done)))
+                return False
+        return True
 
-        t_pause = time.perf_counter()
-        if due(done, cfg.eval.interval):
-            val = engine.evaluate()  # {"loss": ..., and every other metric of eval_metrics.py}
-            val_loss = val["loss"]
-            state["final_val_loss"], state["final_val_step"] = val_loss, done
-            state["final_val_metrics"] = {f"val_{name}": value for name, value in val.items()}
-            if state["best_val_loss"] is None or val_loss < state["best_val_loss"]:
-                state["best_val_loss"] = val_loss
-            metrics.log({"kind": "eval", "step": done, **state["final_val_metrics"]})
-            others = "".join(f", val {name} {value:.4f}" for name, value in val.items() if name != "loss")
-            say(f"step {done}: train loss {fmt(state['final_train_loss'])}, val loss {val_loss:.4f}{others}")
-        if due(done, cfg.checkpoint.interval) or (stop and done < cfg.train.max_steps):
-            save_checkpoint(done)
-        paused += time.perf_counter() - t_pause
-        if stop and done < cfg.train.max_steps:  # preempted: checkpoint written on all ranks; leave cleanly
-            pbar.close()
-            say(stop_message(stop, done, cfg.train.max_steps, ckpt_root / checkpoint.checkpoint_name(done)))
-            finish_trackers(accelerator, cfg.tracker, out, state["run_id"], say)
-            guard.signals.restore()
-            return 0
-    pbar.close()
+    def train_step(self) -> tuple[torch.Tensor, int]:
+        """One optimizer step (the engine runs the micro-batches). Returns the loss as a device tensor and the step."""
+        self.guard.begin_step(self.state.step + 1)
+        loss, tokens = self.engine.train_step(self.batches)
+        self.scheduler.step()
+        self.state.step += 1
+        faults.after_step(self.state.step)
+        self.speed.add(tokens * self.engine.dp_size)
+        self.pbar.update(1)
+        if self.first_step_s is None:  # from the process's start: imports and set-up count
+            self.first_step_s = process_age_s() or time.perf_counter() - self.t_start
+        return loss, self.state.step
 
-    # ---- results
-    if start_step >= cfg.train.max_steps:
-        say(f"[parallel_train] the checkpoint is already at train.max_steps={cfg.train.max_steps}; nothing to train")
-    engine_summary = engine.finish(out)  # a collective: e.g. the pipeline timeline
-    check_finite_weights(engine, cfg.train.max_steps)  # a collective, like the next line
-    model_state = engine.full_state_dict()  # a collective: the model may be sharded or split over ranks
-    if accelerator.is_main_process:
-        from safetensors.torch import save_file
+    def due(self, interval: int) -> bool:
+        """Whether the step just done is a log/eval/checkpoint step for this interval (the last step always is)."""
+        step = self.state.step
+        return step == self.cfg.train.max_steps or (interval > 0 and step % interval == 0)
 
+    def log(self, loss: torch.Tensor, lr: float) -> None:
+        """The train record of this interval. The only host-device sync of the step, and only on log steps."""
+        train_loss = self.engine.mean_loss(loss).item()  # mean over ranks and micro-batches: a collective
+        self.state.final_train_loss = train_loss
+        done, interval = self.state.step, self.cfg.train.log_interval
+        tok_s, elapsed = self.speed.interval(warm=done > self.start_step + interval)  # the first interval holds warm-up
+        record = {
+            "kind": "train",
+            "step": done,
+            "loss": train_loss,
+            "lr": lr,
+            "tokens_per_sec": tok_s,
+            "step_time_s": elapsed / (min(interval, done - self.start_step) or 1),
+            "data_time_frac": min(1.0, self.batches.seconds / elapsed),
+            "mfu": mfu(self.flops_per_token, tok_s, self.peak, self.accelerator.num_processes),
+        }
+        self.batches.seconds = 0.0
+        self.metrics.log(record)
+        self.pbar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{tok_s:,.0f}")
+        say(train_line(record, self.cfg.train.max_steps))  # plain lines: the bar is off when stderr is not a terminal
+
+    def evaluate(self) -> None:
+        """Every validation metric over the fixed eval set (a collective); logged, and kept in the state."""
+        val = self.engine.evaluate()  # {"loss": ..., and every other metric of eval_metrics.py}
+        state, done = self.state, self.state.step
+        state.final_val_loss, state.final_val_step = val["loss"], done
+        state.final_val_metrics = {f"val_{name}": value for name, value in val.items()}
+        if state.best_val_loss is None or val["loss"] < state.best_val_loss:
+            state.best_val_loss = val["loss"]
+        self.metrics.log({"kind": "eval", "step": done, **state.final_val_metrics})
+        others = "".join(f", val {name} {value:.4f}" for name, value in val.items() if name != "loss")
+        say(f"step {done}: train loss {fmt(state.final_train_loss)}, val loss {val['loss']:.4f}{others}")
+
+    def save(self) -> None:
+        """A checkpoint of this step (a collective): weights, optimizer, schedule, every rank's RNG, the state."""
+        self.state.skipped_steps = self.guard.skipped
+        checkpoint.save(
+            self.engine,
+            self.ckpt_root,
+            self.state.step,
+            self.scheduler,
+            self.state,
+            self.config_yaml,
+            self.vocab_json,
+            keep=self.cfg.checkpoint.keep,
+            protect=self.resume_from,
+            keep_best=self.cfg.checkpoint.keep_best,
+        )
+
+    # ---------------------------------------------------------------- the end
+
+    def finish(self) -> None:
+        """Final weights (whole model, canonical names), summary.json and the loss picture. Collectives first."""
+        cfg, out = self.cfg, self.out
+        self.pbar.close()
+        if self.start_step >= cfg.train.max_steps:
+            say(f"[parallel_train] the checkpoint is already at train.max_steps={cfg.train.max_steps}; nothing to train")
+        engine_summary = self.engine.finish(out)  # a collective: e.g. the pipeline timeline
+        check_finite_weights(self.engine, cfg.train.max_steps)  # a collective, like the next line
+        model_state = self.engine.full_state_dict()  # a collective: the model may be sharded or split over ranks
+        if not self.accelerator.is_main_process:
+            return
         save_file(model_state, str(out / "model.safetensors.tmp"))  # then renamed: a kill never leaves half a file
         os.replace(out / "model.safetensors.tmp", out / "model.safetensors")
-        summary = {
-            "steps": cfg.train.max_steps,
-            "final_train_loss": state["final_train_loss"],
-            "final_val_loss": state["final_val_loss"],
-            "best_val_loss": state["best_val_loss"],
-            "final_val_metrics": state.get("final_val_metrics"),
-            "world_size": world,
-            "distributed_type": accelerator.distributed_type.value,
-            "mixed_precision": accelerator.mixed_precision,
-            "tokens_per_sec": (steady_tokens / steady_time) if steady_time else None,
-            "mfu": mfu(flops_per_token, steady_tokens / steady_time, peak, world) if steady_time else None,
-            "wall_time_s": time.perf_counter() - t_start,
-            "time_to_first_step_s": first_step_s,
-            "resumed_from": str(resume_from) if resume_from else None,
-            **peak_memory_mb(device),
-            **engine_summary,
-        }
+        summary = {**self.summary(), **engine_summary}
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         say(f"[parallel_train] loss curves: {plot_runs([out], out / PICTURE)}")
         say(
-            f"[parallel_train] done: {cfg.train.max_steps} steps, val loss {fmt(state['final_val_loss'])}, "
+            f"[parallel_train] done: {cfg.train.max_steps} steps, val loss {fmt(self.state.final_val_loss)}, "
             f"{summary['wall_time_s']:.1f} s; outputs in {out}"
         )
-    accelerator.wait_for_everyone()
-    finish_trackers(accelerator, cfg.tracker, out, state["run_id"], say)  # also destroys the process group
-    guard.signals.restore()
-    return 0
+
+    def summary(self) -> dict:
+        """summary.json's fields (the engine adds its own)."""
+        accelerator, state, tok_s = self.accelerator, self.state, self.speed.steady_tokens_per_sec
+        return {
+            "steps": self.cfg.train.max_steps,
+            "final_train_loss": state.final_train_loss,
+            "final_val_loss": state.final_val_loss,
+            "best_val_loss": state.best_val_loss,
+            "final_val_metrics": state.final_val_metrics,
+            "world_size": accelerator.num_processes,
+            "distributed_type": accelerator.distributed_type.value,
+            "mixed_precision": accelerator.mixed_precision,
+            "tokens_per_sec": tok_s,
+            "mfu": mfu(self.flops_per_token, tok_s, self.peak, accelerator.num_processes) if tok_s else None,
+            "wall_time_s": time.perf_counter() - self.t_start,
+            "time_to_first_step_s": self.first_step_s,
+            "resumed_from": str(self.resume_from) if self.resume_from else None,
+            **peak_memory_mb(self.device),
+        }
+
+    def close(self, finished_cleanly: bool) -> None:
+        """The one way out. After an error the process group may be broken (a peer died): tearing it down could
+        hang, and errors.run_cli ends the process anyway, so trackers and the group are closed on clean exits only."""
+        self.pbar.close()
+        self.guard.signals.restore()
+        if finished_cleanly:
+            self.accelerator.wait_for_everyone()
+            finish_trackers(self.accelerator, self.cfg.tracker, self.out, self.state.run_id, say)  # also destroys the process group
+
+
+def run(cfg: Config, config_path: str | None) -> int:
+    return Trainer(cfg, config_path).run()
