@@ -12,7 +12,10 @@ thread per process, Tiny Shakespeare. Each figure is a real launch with torchrun
 first log interval left out: summary.json for train.py, the loop's own count for the bare one). Every repeat
 runs each mode's bare loop and train.py back to back (a pair): the ratio template / bare is the median of the
 per-pair ratios, so a change in machine load between repeats hits both sides of a pair alike. The 1-minute
-load average is recorded per pair (it counts the benchmark's own two processes). Peak RSS is rank 0's.
+load average is recorded per pair (it counts the benchmark's own two processes). Peak RSS is rank 0's. The bare
+loop runs with the template's one host-side setting (--keep-freed-memory, glibc keeps freed blocks: perf.py),
+as benchmark.py's bare_malloc cell does: without it the two differ by the allocator, not by the framework
+(freed blocks kept resident raise the template's RSS; fewer page faults can make it faster).
 Tensor parallel: both ranks work on the same batch, so its tokens/s count one batch per step (data parallel:
 one per rank).
 """
@@ -60,7 +63,7 @@ def launch(runner: str, mode: str, steps: int, tmp: Path) -> dict:
     torchrun = [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port())]
     out = tmp / f"{runner}_{mode}_{time.monotonic_ns()}"
     if runner == "bare":
-        cmd = [*torchrun, "scripts/bare_loop.py", "--mode", mode, *common]
+        cmd = [*torchrun, "scripts/bare_loop.py", "--keep-freed-memory", "--mode", mode, *common]
     else:
         cmd = [*torchrun, "train.py", *common, *TEMPLATE_ONLY, *KEYS[mode], f"output_dir={out}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp), WANDB_MODE="disabled", PYTHONUNBUFFERED="1")

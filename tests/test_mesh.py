@@ -134,7 +134,7 @@ def test_fsdp_yaml_shards_on_cpu(launched):
 @pytest.mark.multiprocess
 def test_tensor_parallel_x_pipeline_on_4_ranks(launched):
     out, log = launched("tp2_pp2")
-    assert "schedule 1f1b, 2 micro-batches, 1 data-parallel rank; mesh pp 2 x tp 2" in log
+    assert "schedule 1f1b, 2 micro-batches, 1 data-parallel replica; mesh pp 2 x tp 2" in log
     assert_same_training(out, launched("ref")[0])
     assert summary(out)["pipeline_bubble_ideal"] == pytest.approx(1 / 3)
 
@@ -241,21 +241,44 @@ def to_fused_qkv(folder: Path) -> None:
     checkpoint.write_manifest(folder)
 
 
-def test_an_old_fused_qkv_checkpoint_resumes_exactly(tmp_path):
-    """Weights and AdamW moments of `blocks.N.attn.qkv` are cut into q, k, v on load: the resumed run is
-    bit-identical to the uninterrupted one."""
-    adam = (*TINY, "train.learning_rate=1e-2")
-    env, full, old = launch_env(tmp_path), tmp_path / "full", tmp_path / "old"
-    check(run(train_cmd(*adam, f"output_dir={full}"), env=env))
+def test_an_old_fused_qkv_checkpoint_resumes_exactly(launched, tmp_path):
+    """A checkpoint with one `blocks.N.attn.qkv` (as written before the split) continues bit-identically."""
+    ref = launched("ref")[0]
     step3 = tmp_path / "step_0000003"
-    shutil.copytree(full / "checkpoints" / "step_0000003", step3)
+    shutil.copytree(ref / "checkpoints" / "step_0000003", step3)
     to_fused_qkv(step3)
     assert "blocks.0.attn.qkv.weight" in load_file(str(step3 / "model.safetensors"))
-    assert "blocks.0.attn.qkv.weight/exp_avg" in load_file(str(step3 / "optimizer.safetensors"))
-    check(run(train_cmd(*adam, f"resume={step3}", f"output_dir={old}"), env=env))
-    assert {s: v for s, v in train_losses(full).items() if s > 3} == train_losses(old)
-    a, b = load_file(str(full / "model.safetensors")), load_file(str(old / "model.safetensors"))
+    out = tmp_path / "old"
+    check(run(train_cmd(*SGD, f"resume={step3}", f"output_dir={out}"), env=launch_env(tmp_path)))
+    assert {s: v for s, v in train_losses(ref).items() if s > 3} == train_losses(out)
+    a, b = load_file(str(ref / "model.safetensors")), load_file(str(out / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_old_fused_qkv_optimizer_state_is_cut_by_name():
+    """AdamW's moments and step of a fused `attn.qkv` land on q, k, v (checkpoint.load_optimizer_by_name)."""
+    from parallel_train.checkpoint import load_optimizer_by_name, optimizer_state_by_name
+
+    torch.manual_seed(0)
+    model = build_model(GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=4), 11)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    x = torch.randint(0, 11, (2, 4))
+    model(x).sum().backward()
+    opt.step()
+    tensors, meta = optimizer_state_by_name(model, opt)
+    fused = {}
+    for key, value in tensors.items():
+        if ".attn.q." in key:
+            parts = [tensors[key.replace(".attn.q.", f".attn.{n}.")] for n in "qkv"]
+            fused[key.replace(".attn.q.", ".attn.qkv.")] = torch.cat(parts) if value.dim() else value
+        elif ".attn.k." not in key and ".attn.v." not in key:
+            fused[key] = value
+    assert "blocks.0.attn.qkv.weight/exp_avg" in fused
+    fresh = torch.optim.AdamW(model.parameters(), lr=0.1)
+    load_optimizer_by_name(model, fresh, fused, meta)
+    for q in model.parameters():
+        for k, v in opt.state[q].items():
+            assert torch.equal(fresh.state[q][k], v), k
 
 
 # ---------------------------------------------------------------- the model: q, k, v and its tensor-parallel plan

@@ -8,16 +8,16 @@ is not a formula beside the code: it is what a run with this config reports as `
 Activations: one forward of a micro-batch under FakeTensorMode (shapes only, any size), counting the bytes of
 every tensor autograd saves for backward (parameters excluded), attributed to the model's parts.
 
-What the figures assume, stated: fp32 parameters and gradients (mixed precision is autocast: bf16 copies are
-activations); AdamW keeps two fp32 moments per parameter, SGD none; gradients and activations are counted as
-not present together unless gradients accumulate over micro-steps (gradients are set to None after each
-step, and during backward the activations shrink while the gradients grow); FSDP2
-holds the whole parameters of about two blocks at a time (one computing, one prefetched); a pipeline stage
-holds the activations of M micro-batches under gpipe and of at most min(M, S) under the other schedules
-(1F1B's bound; the interleaved and V schedules' warm-up can hold a few more). Activation checkpointing keeps
-each block's input and recomputes one block at a time in backward. Backward needs scratch beside them: the
-gradient of the largest saved tensor and of its input (for a language model, the log-probabilities over the
-vocabulary: 2 x batch x context x vocab x 4 bytes), counted as "working".
+What the figures assume, stated: fp32 parameters and gradients (mixed precision is autocast: its bf16 copies
+are activations); AdamW keeps two fp32 moments per parameter, SGD none. The peak is the larger of the start of
+backward (activations and scratch, no gradients: each step sets them to None) and its end (all gradients),
+or both together when gradients accumulate over micro-steps or pipeline micro-batches. FSDP2 holds the whole
+parameters of about two blocks at a time (one computing, one prefetched); a pipeline stage holds the
+activations of M micro-batches under gpipe and of at most min(M, S) under the other schedules (1F1B's bound;
+the interleaved and V schedules' warm-up can hold a few more). Activation checkpointing keeps each block's
+input and recomputes one block at a time in backward. Backward needs scratch beside them: the gradient of the
+largest saved tensor and of its input (for a language model, the log-probabilities over the vocabulary:
+2 x batch x context x vocab x 4 bytes), counted as "working".
 """
 
 from __future__ import annotations

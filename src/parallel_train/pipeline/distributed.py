@@ -157,7 +157,7 @@ class MultiProcessPipelineEngine:
         self.name = (
             f"multi-process pipeline (executor 2, torch.distributed.pipelining): {S} stage ranks"
             + (f" x {V} {'V-shaped' if p.schedule in V_SHAPED else 'interleaved'} stages each" if V > 1 else "")
-            + f", schedule {p.schedule}, {M} micro-batches, {layout.dp} data-parallel rank{'s' if layout.dp > 1 else ''}; "
+            + f", schedule {p.schedule}, {M} micro-batches, {layout.dp} data-parallel replica{'s' if layout.dp > 1 else ''}; "
             + share_line(layout, self.local_numel, total)
         )
         places = [f"rank {self.where[i]}" for i in range(S * V)]
