@@ -5,7 +5,8 @@
     python scripts/sample.py --run runs/shakespeare_char --prompt "ROMEO:" --temperature 0.8 --top_k 40 --seed 1
     python scripts/sample.py --checkpoint runs/shakespeare_char/checkpoints/step_0001000 --max_new_tokens 200
 
-Loads model.safetensors (or a checkpoint's) with the run's config.yaml and vocab.json. Works for runs
+Loads model.safetensors (or a checkpoint's) with the run's config.yaml and tokenizer (vocab.json, or tokenizer.json
+for BPE and Hugging Face tokenizers). Works for runs
 from any launch (one process, DDP, FSDP, pipeline): weights are saved with the unsplit model's names.
 """
 
@@ -27,7 +28,7 @@ class Parser(argparse.ArgumentParser):
 
 def parse(argv: list[str]) -> argparse.Namespace:
     p = Parser(description="Generate text from a trained run.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--run", type=Path, help="output_dir of a training run (its model.safetensors, config.yaml, vocab.json)")
+    p.add_argument("--run", type=Path, help="output_dir of a training run (its model.safetensors, config.yaml, tokenizer)")
     p.add_argument("--checkpoint", type=Path, help="a checkpoints/step_* folder instead of the run's final weights")
     p.add_argument("--max_new_tokens", type=int, default=200, help="tokens to generate")
     p.add_argument("--prompt", default="", help="text to continue (default: start from a newline)")

@@ -43,7 +43,7 @@ def build(seed: int) -> GPT:
 
 
 def shard(model: GPT, mesh) -> GPT:
-    for module in model.modules():  # fsdp.yaml: TRANSFORMER_BASED_WRAP on `Block`
+    for module in model.modules():  # fsdp.yaml: TRANSFORMER_BASED_WRAP on GPT._no_split_modules
         if isinstance(module, Block):
             fully_shard(module, mesh=mesh)
     fully_shard(model, mesh=mesh)

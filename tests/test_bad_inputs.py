@@ -17,6 +17,7 @@ import pytest
 
 from helpers import TINY, check, launch_env, run, train_cmd
 from parallel_train import checkpoint
+from parallel_train.prepare import Options, prepare
 
 pytestmark = pytest.mark.multiprocess
 
@@ -50,6 +51,10 @@ def env(tmp_path_factory):
     (f / "list.yaml").write_text("- model\n- train\n")
     (f / "a_file").write_text("not a folder\n")
     (f / "not_a_checkpoint").mkdir()
+    # Prepared data (scripts/prepare_data.py's format): one with another tokenizer than the run's, one with a truncated shard.
+    prepare(Options([str(f / "new_chars.txt")], f / "prepared_byte", "byte", num_proc=1), print_fn=lambda m: None)
+    shutil.copytree(f / "prepared_byte", f / "prepared_truncated")
+    (f / "prepared_truncated" / "train_000000.bin").write_bytes(b"\0" * 10)
     step = checkpoint.list_checkpoints(run_dir / "checkpoints")[-1]
     # A pickle in place of optimizer.safetensors, with the manifest rewritten to match (a careful attacker).
     replaced = f / "replaced" / step.name
@@ -109,6 +114,8 @@ CASES = [
     ("data_column_missing", ["data.path={files}/rows.jsonl", "data.text_column=content"], "data.text_column: 'content' is not a column"),
     ("data_hub_offline", ["data.path=no-such-user/no-such-dataset"], "data.path: could not load"),
     ("data_outside_vocab", ["data.path={files}/new_chars.txt"], "vocab"),
+    ("prepared_other_tokenizer", ["data.path={files}/prepared_byte"], "the resumed run was trained with another tokenizer"),
+    ("prepared_shard_truncated", ["data.path={files}/prepared_truncated"], "train_000000.bin is 10 bytes, prepared.json says"),
     ("resume_path_missing", ["resume={files}/no_such_checkpoint"], "resume: no such checkpoint"),
     ("resume_not_a_checkpoint", ["resume={files}/not_a_checkpoint"], "is not a valid checkpoint (no manifest.json"),
     ("resume_none_over_a_run", ["resume=none"], "already holds a run"),
@@ -133,6 +140,7 @@ SLOW = {
     "skipped_negative",
     "config_file_a_list",
     "section_as_value",
+    "prepared_shard_truncated",  # also a launch in test_data_scale.py (a node's partial copy), and in process in test_prepared_data.py
 }
 
 

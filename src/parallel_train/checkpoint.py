@@ -6,7 +6,7 @@ Layout of `output_dir/checkpoints/step_0000500/`:
     optimizer.json           optimizer hyperparameters per param group, and non-tensor state
     rng_rank{R}.safetensors  every rank's torch CPU (and CUDA) generator state, for exact dropout on resume
     trainer_state.json       step, LR scheduler, best val loss, tracker run id, world size
-    config.yaml, vocab.json  the resolved config and the vocabulary of the run
+    config.yaml, vocab.json  the resolved config and the tokenizer of the run (tokenizer.json for BPE/Hugging Face)
     manifest.json            size and sha256 of every file above; written last
 
 A checkpoint is written into `.tmp-step_*`, flushed, then renamed: a kill at any moment leaves either the
@@ -251,7 +251,7 @@ def save(
     scheduler,
     state: TrainingState,
     config_yaml: str,
-    vocab_json: str | None,
+    tokenizer_files: dict[str, str],
     keep: int,
     protect: Path | None = None,
     keep_best: bool = False,
@@ -285,8 +285,8 @@ def save(
             full_state["grad_scaler"] = accelerator.scaler.state_dict()
         (tmp / "trainer_state.json").write_text(json.dumps(full_state, indent=1))
         (tmp / "config.yaml").write_text(config_yaml)
-        if vocab_json is not None:
-            (tmp / "vocab.json").write_text(vocab_json)
+        for name, text in tokenizer_files.items():  # vocab.json or tokenizer.json (tokenization.py)
+            (tmp / name).write_text(text, encoding="utf-8")
     accelerator.wait_for_everyone()
 
     if accelerator.is_main_process:

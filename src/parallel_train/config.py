@@ -19,6 +19,7 @@ from parallel_train.config_fields import check, check_section, coerce, fields_of
 from parallel_train.errors import UserError, is_first_process
 from parallel_train.model_config import ModelConfig
 from parallel_train.models import MODELS
+from parallel_train.tokenization import check_spec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CORPUS = REPO_ROOT / "data" / "tinyshakespeare.txt"
@@ -28,10 +29,19 @@ DEFAULT_CORPUS = REPO_ROOT / "data" / "tinyshakespeare.txt"
 class DataConfig:
     path: str = opt(
         str(DEFAULT_CORPUS),
-        "corpus: a local .txt/.json/.jsonl/.csv/.parquet file, a Hub dataset name, 'random' or 'synthetic' (random tokens, no download)",
+        "corpus: a local .txt/.json/.jsonl/.csv/.parquet file, a Hub dataset name, a folder from scripts/prepare_data.py, "
+        "'random' or 'synthetic' (random tokens, no download)",
     )
     tokenizer: str = opt(
-        "char", "char: one id per character of the corpus; byte: one id per UTF-8 byte (256 ids)", choices=("char", "byte")
+        "char",
+        "char (one id per character), byte (256 ids), bpe:N (byte-level BPE trained on the corpus), a tokenizer.json, a folder "
+        "holding one, or a Hub tokenizer name; prepared data brings its own",
+    )
+    streaming: bool = opt(False, "read data.path (a folder of jsonl/parquet files or a Hub dataset) as a stream, tokenizing on the fly")
+    verify: str = opt(
+        "auto",
+        "prepared data: size checks always; sha256 of every shard too: auto (when they total <= 1 GiB), full, size (never)",
+        choices=("auto", "full", "size"),
     )
     source: str = opt("text", "data loader (see parallel_train/data_sources.py): text reads data.path; add your own there")
     text_column: str = opt("text", "column holding the text in json/csv/parquet/Hub datasets")
@@ -169,6 +179,8 @@ def _apply(settings: list[tuple[str, Any]], ignored: list[str] | None) -> Config
     cfg = Config(model=model_class(coerce("model.name", names[-1], str) if names else "gpt")())
     for key, value in settings:
         _set(cfg, key, value, ignored)
+    if cfg.model.own_tokenizer() and not any(key == "data.tokenizer" for key, _ in settings):
+        cfg.data.tokenizer = cfg.model.own_tokenizer()  # e.g. a Hugging Face model's: its ids mean nothing otherwise
     return cfg
 
 
@@ -258,6 +270,7 @@ def validate(cfg: Config) -> None:
 
     t, p = cfg.train, cfg.parallel
     check(bool(cfg.data.path), "data.path: must not be empty")
+    check_spec(cfg.data.tokenizer)
     check(t.min_lr <= t.learning_rate, f"train.min_lr ({t.min_lr}) must not exceed train.learning_rate ({t.learning_rate})")
     check(
         not p.stage_devices or len(p.stage_devices) == p.pipeline_stages,

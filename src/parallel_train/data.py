@@ -1,15 +1,17 @@
 """Data: read a corpus with Hugging Face `datasets`, tokenize it, cut it into windows, and build the loaders.
 
-`build_datasets` is the built-in `text` data source (data_sources.py names the others). The train loader
-reads this rank's share of every global batch through batch_sampler.py, which is what makes every topology
-train on the same samples.
+`build_datasets` is the built-in `text` data source for a corpus that fits in memory (data_sources.py names the
+others; prepared_data.py and streaming_data.py read data that does not). The train loader reads this rank's
+share of every global batch through batch_sampler.py, which is what makes every topology train on the same
+samples.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
@@ -17,12 +19,24 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from parallel_train.batch_sampler import GlobalBatchSampler
 from parallel_train.config import Config, DataConfig
 from parallel_train.errors import UserError
-from parallel_train.tokenization import ByteVocab, CharVocab
+from parallel_train.permutation import SeededPermutation
+from parallel_train.tokenization import ByteVocab, Tokenizer, load_tokenizer, needs_corpus
 
 LOCAL_FORMATS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
 # ---------------------------------------------------------------- corpus
+
+
+def loading_error(e: Exception, key: str, what: str) -> UserError:
+    """One line for an error `datasets` raised while loading `what` (named by config key or option `key`)."""
+    first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+    if isinstance(e, UnicodeDecodeError) or isinstance(e.__cause__ or e.__context__, UnicodeDecodeError):  # datasets wraps it
+        return UserError(f"{key}: {what!r} is not UTF-8 text (a binary file?)")
+    if isinstance(e, (ConnectionError, OSError, ValueError)):
+        return UserError(f"{key}: could not load {what!r} ({first})")
+    # datasets raises its own error types for malformed json/csv/parquet
+    return UserError(f"{key}: could not read {what!r} ({type(e).__name__}: {first})")
 
 
 def load_corpus(cfg: DataConfig) -> str:
@@ -46,16 +60,8 @@ def load_corpus(cfg: DataConfig) -> str:
             ds = datasets.load_dataset(cfg.path, split="train")
     except UserError:
         raise
-    except UnicodeDecodeError:
-        raise UserError(f"data.path: {cfg.path!r} is not UTF-8 text (a binary file?)") from None
-    except (ConnectionError, OSError, ValueError, FileNotFoundError) as e:
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise UserError(f"data.path: could not load {cfg.path!r} ({first})") from None
-    except Exception as e:  # datasets raises its own error types for malformed json/csv/parquet
-        if isinstance(e.__cause__ or e.__context__, UnicodeDecodeError):  # datasets wraps the decode error
-            raise UserError(f"data.path: {cfg.path!r} is not UTF-8 text (a binary file?)") from None
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise UserError(f"data.path: could not read {cfg.path!r} ({type(e).__name__}: {first})") from None
+    except Exception as e:
+        raise loading_error(e, "data.path", cfg.path) from None
     column = cfg.text_column
     if column not in ds.column_names:
         raise UserError(f"data.text_column: {cfg.text_column!r} is not a column of {cfg.path!r}; columns: {', '.join(ds.column_names)}")
@@ -117,13 +123,20 @@ def keep_batch(batch):
 
 @dataclass
 class Data:
-    train_set: Dataset
+    train_set: Dataset | None  # None for a stream (train_stream below)
     val_set: Dataset
-    vocab: CharVocab | ByteVocab | None  # None for data without a vocabulary (random, synthetic)
+    vocab: Tokenizer | None  # the tokenizer (tokenization.py); None for data without one (random, synthetic)
     vocab_size: int
     # Turns a list of samples into the (inputs, targets) batch the engine expects. None: the datasets
     # above batch themselves (__getitems__); any other dataset gets torch's default_collate.
     collate: Callable[[list], tuple[torch.Tensor, torch.Tensor]] | None = None
+    # How samples are shuffled (batch_sampler.py): "randperm" (a stored permutation) or "seeded" (computed:
+    # O(1) memory, for data of any size).
+    order: str = "randperm"
+    description: str | None = None  # one line for the start banner
+    # Streamed data (streaming_data.py): (world, rank, saved position or None) -> this rank's batches, an
+    # iterator with state_dict(); the trainer saves that position in every checkpoint.
+    train_stream: Callable[[int, int, Any], Iterator] | None = None
 
 
 def collate_fn(data: Data, dataset: Dataset) -> Callable:
@@ -132,7 +145,37 @@ def collate_fn(data: Data, dataset: Dataset) -> Callable:
     return keep_batch if hasattr(dataset, "__getitems__") else default_collate
 
 
-def build_datasets(cfg: Config, vocab: CharVocab | ByteVocab | None = None) -> Data:
+def vocab_size_for(tokenizer: Tokenizer, cfg: Config) -> int:
+    """The model's vocabulary: the tokenizer's, padded up to model.vocab_size; a smaller model.vocab_size is an error."""
+    m = cfg.model
+    if m.vocab_size and tokenizer.size > m.vocab_size:
+        raise UserError(
+            f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's {tokenizer.size:,} ids; "
+            f"set model.vocab_size=0 (the tokenizer's size) or at least {tokenizer.size}"
+        )
+    return max(tokenizer.size, m.vocab_size)
+
+
+def corpus_tokenizer(spec: str, text: str, saved: Tokenizer | None) -> Tokenizer:
+    """The tokenizer for an in-memory corpus: the resumed run's (its ids must not shift), else built from the text."""
+    if saved is None:
+        return load_tokenizer(spec, corpus=lambda: [[text]])
+    check_resumed_tokenizer(saved, spec)
+    return saved
+
+
+def check_resumed_tokenizer(saved: Tokenizer, spec: str) -> None:
+    """The resumed run's tokenizer is what data.tokenizer names (of that kind, for the ones built from the corpus)."""
+    if needs_corpus(spec) or spec == "byte":  # char, byte, bpe:N: the saved one must be of that kind
+        kind = {"char": "char", "byte": "byte"}.get(spec, "hf")
+        if saved.kind != kind:
+            used = saved.kind if saved.kind != "hf" else "the bpe:N or tokenizer.json it was started with"
+            raise UserError(f"data.tokenizer: the resumed run used the {saved.kind} tokenizer; resume with data.tokenizer={used}")
+    elif saved.fingerprint != load_tokenizer(spec).fingerprint:
+        raise UserError(f"data.tokenizer: the resumed run used another tokenizer than {spec!r}; resume with the one it was started with")
+
+
+def build_datasets(cfg: Config, vocab: Tokenizer | None = None) -> Data:
     """The `text` data source: load, tokenize and split data.path. Pass the saved vocab when resuming so ids stay the same."""
     d, m = cfg.data, cfg.model
     if d.path == "random":
@@ -144,9 +187,7 @@ def build_datasets(cfg: Config, vocab: CharVocab | ByteVocab | None = None) -> D
     text = load_corpus(d)
     if not text:
         raise UserError(f"data.path: {d.path!r} is empty")
-    if vocab is not None and vocab.kind != d.tokenizer:
-        raise UserError(f"data.tokenizer: the resumed run used the {vocab.kind} tokenizer; resume with data.tokenizer={vocab.kind}")
-    vocab = vocab or (ByteVocab() if d.tokenizer == "byte" else CharVocab.from_text(text))
+    vocab = corpus_tokenizer(d.tokenizer, text, vocab)
     try:
         ids = torch.from_numpy(vocab.encode(text))
     except ValueError:
@@ -161,8 +202,7 @@ def build_datasets(cfg: Config, vocab: CharVocab | ByteVocab | None = None) -> D
             f"data.path: {d.path!r} is too short: {len(ids)} tokens give {len(val_ids)} validation tokens, "
             f"need at least {need} for model.block_size={m.block_size}; use a longer corpus or a smaller block_size"
         )
-    vocab_size = max(vocab.size, m.vocab_size)
-    return Data(TokenWindows(train_ids, m.block_size), TokenWindows(val_ids, m.block_size), vocab, vocab_size)
+    return Data(TokenWindows(train_ids, m.block_size), TokenWindows(val_ids, m.block_size), vocab, vocab_size_for(vocab, cfg))
 
 
 def random_classification(cfg: Config) -> Data:
@@ -194,8 +234,13 @@ def synthetic_data(cfg: Config) -> Data:
     return Data(TokenWindows(ids[:n_train], m.block_size), TokenWindows(ids[n_train:], m.block_size), None, vocab_size)
 
 
-def train_loader(data: Data, cfg: Config, world_size: int, rank: int, start_step: int, pin_memory: bool) -> DataLoader:
-    """This rank's batches from optimizer step `start_step` on (never ends; the loop counts steps)."""
+def train_loader(
+    data: Data, cfg: Config, world_size: int, rank: int, start_step: int, pin_memory: bool, stream_state: Any = None
+) -> DataLoader | Iterator:
+    """This rank's batches from optimizer step `start_step` on (never ends; the loop counts steps). A stream
+    continues from `stream_state`, the position its checkpoint saved."""
+    if data.train_stream is not None:
+        return data.train_stream(world_size, rank, stream_state)
     sampler = GlobalBatchSampler(
         len(data.train_set),
         cfg.train.batch_size,
@@ -203,6 +248,7 @@ def train_loader(data: Data, cfg: Config, world_size: int, rank: int, start_step
         rank,
         cfg.train.seed,
         start_micro_step=start_step * cfg.train.gradient_accumulation_steps,
+        order=data.order,
     )
     # Its own generator: creating the iterator must not draw from the global RNG (dropout's), or a
     # resumed run would drift from an uninterrupted one.
@@ -227,8 +273,12 @@ def val_loader(data: Data, cfg: Config) -> DataLoader:
     n_eval = cfg.eval.iters * batch_size
     g = torch.Generator().manual_seed(cfg.train.seed + 7919)
     n = len(data.val_set)
-    indices = torch.randperm(n, generator=g)[:n_eval] if n >= n_eval else torch.randint(0, n, (n_eval,), generator=g)
-    subset = torch.utils.data.Subset(data.val_set, indices.tolist())
+    if data.order == "seeded":  # no stored permutation: data of any size
+        indices = SeededPermutation(n, cfg.train.seed + 7919).take(0, 0, min(n, n_eval)).tolist()
+        indices = (indices * (n_eval // len(indices) + 1))[:n_eval]  # a short split repeats its windows
+    else:
+        indices = (torch.randperm(n, generator=g)[:n_eval] if n >= n_eval else torch.randint(0, n, (n_eval,), generator=g)).tolist()
+    subset = torch.utils.data.Subset(data.val_set, indices)
     return DataLoader(
         subset,
         batch_size=batch_size,

@@ -11,6 +11,7 @@ separated by `;`.
     hang@3               stop answering after step 3 (the others must time out, not hang)
     sigterm@3, sigusr1@3, sigint@3   send this process a real signal after step 3
     nan@3                make the loss of step 3 NaN (through the model output)
+    kill_in_prepare@2    SIGKILL scripts/prepare_data.py once its 2nd token shard is in place (no metadata yet)
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 
 ENV = "PARALLEL_TRAIN_FAULT"
 SIGNALS = {"sigterm": signal.SIGTERM, "sigusr1": signal.SIGUSR1, "sigint": signal.SIGINT}
-KINDS = ("kill", "kill_in_save", "hang", "nan", *SIGNALS)
+KINDS = ("kill", "kill_in_save", "kill_in_prepare", "hang", "nan", *SIGNALS)
 
 
 @dataclass
@@ -95,6 +96,13 @@ def in_save(step: int) -> None:
     """Called by checkpoint.save after the first files of checkpoint `step` are written."""
     if FAULTS and _fire("kill_in_save", step):
         print(f"[fault] SIGKILL while saving checkpoint {step}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def in_prepare(shards: int) -> None:
+    """Called by prepare.py each time a token shard is renamed into place (`shards` so far)."""
+    if FAULTS and _fire("kill_in_prepare", shards):
+        print(f"[fault] SIGKILL while preparing data, after shard {shards}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
 

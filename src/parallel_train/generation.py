@@ -18,13 +18,13 @@ from parallel_train import checkpoint
 from parallel_train.config import Config, config_from_dict
 from parallel_train.errors import UserError
 from parallel_train.models import build_model
-from parallel_train.tokenization import load_vocab
+from parallel_train.tokenization import HF_FILE, VOCAB_FILE, load_saved
 
 
 @dataclass
 class Trained:
     model: nn.Module
-    vocab: Any  # CharVocab or ByteVocab: encode(str) -> ids, decode(ids) -> str
+    vocab: Any  # the run's tokenizer (tokenization.py): encode(str) -> ids, decode(ids) -> str
     cfg: Config
     source: Path  # the weights file it came from
 
@@ -67,7 +67,9 @@ def load_trained(run: Path | None, ckpt: Path | None = None, device: str = "cpu"
         raise UserError(f"{cfg_path}: {e}") from None
     if cfg.data.path in ("random", "synthetic"):
         raise UserError(f"{cfg_path}: this run trained on data.path={cfg.data.path}, which has no text to sample")
-    vocab = load_vocab(_run_file("vocab.json", folder, run))
+    vocab = next((t for t in (load_saved(f) for f in (folder, run) if f is not None) if t is not None), None)
+    if vocab is None:
+        _run_file(f"{HF_FILE} or {VOCAB_FILE}", folder, run)  # raises: names where it looked
     model = build_model(cfg.model, max(vocab.size, cfg.model.vocab_size))
     try:
         model.load_state_dict(load_file(str(folder / "model.safetensors")))

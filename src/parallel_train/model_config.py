@@ -21,3 +21,8 @@ class ModelConfig:
 
     def check(self) -> None:
         """Rules between this model's keys (ranges are checked from the fields): raise UserError naming the key."""
+
+    def own_tokenizer(self) -> str | None:
+        """The tokenizer this model comes with, which data.tokenizer defaults to when not set (None: the data's own
+        default). A pretrained model's token ids mean nothing with any other tokenizer."""
+        return None

@@ -30,11 +30,12 @@ from parallel_train.data_sources import load_data
 from parallel_train.errors import UserError, is_first_process
 from parallel_train.guards import RunGuard, check_finite_weights, stop_message
 from parallel_train.messages import train_line
-from parallel_train.models import build_model
+from parallel_train.models import MODELS, build_model
 from parallel_train.optim import build_optimizer, build_scheduler
 from parallel_train.perf import Throughput, configure_backends, mfu, peak_flops, process_age_s
 from parallel_train.plots import PICTURE, plot_runs
-from parallel_train.tokenization import load_vocab
+from parallel_train.streaming_data import gather_positions, position_for
+from parallel_train.tokenization import load_saved
 from parallel_train.topology import build_engine, describe
 from parallel_train.tracking import MetricsLog, finish_trackers, init_trackers, prepare_tracker_env
 from parallel_train.train_state import TrainingState
@@ -118,9 +119,10 @@ class Trainer:
     def _set_up_model_and_engine(self) -> None:
         """Data, model, optimizer, schedule, engine. The same seed on every rank: identical initial weights."""
         cfg, rank = self.cfg, self.accelerator.process_index
-        resumed_vocab = self.resume_from / "vocab.json" if self.resume_from else None
-        # The vocab of a resumed run is reused, so token ids cannot shift.
-        self.data = load_data(cfg, load_vocab(resumed_vocab) if resumed_vocab and resumed_vocab.exists() else None)
+        # The tokenizer of a resumed run is reused, so token ids cannot shift.
+        self.data = load_data(cfg, load_saved(self.resume_from) if self.resume_from else None)
+        if self.data.description:
+            say(f"[parallel_train] data: {self.data.description}")
         torch.manual_seed(cfg.train.seed)
         model = build_model(cfg.model, self.data.vocab_size)
         self.optimizer = build_optimizer(model, cfg.train, fused=self.device.type == "cuda")
@@ -150,21 +152,25 @@ class Trainer:
         faults.install(self.engine.model, lambda: self.guard.step)  # test-only; nothing unless PARALLEL_TRAIN_FAULT is set
 
     def _open_outputs(self) -> None:
-        """config.yaml and vocab.json, metrics.jsonl (cut back to the resumed step), trackers, the batch stream."""
+        """config.yaml and the tokenizer (vocab.json or tokenizer.json), metrics.jsonl (cut back to the resumed step),
+        trackers, the batch stream."""
         cfg, accelerator = self.cfg, self.accelerator
         self.config_yaml = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-        self.vocab_json = self.data.vocab.to_json() if self.data.vocab else None
+        self.tokenizer_files = self.data.vocab.files() if self.data.vocab else {}
         if accelerator.is_main_process:
             save_config(cfg, self.out / "config.yaml")
-            if self.vocab_json is not None:
-                (self.out / "vocab.json").write_text(self.vocab_json)
+            if self.data.vocab is not None:
+                self.data.vocab.save(self.out)
         self.metrics = MetricsLog(self.out / "metrics.jsonl", accelerator, cfg.tracker)
         self.metrics.truncate_after(self.start_step)
         init_trackers(accelerator, cfg.tracker, cfg.to_dict(), self.out, self.state.run_id)
-        loader = train_loader(
-            self.data, cfg, self.engine.dp_size, self.engine.dp_rank, self.start_step, pin_memory=self.device.type == "cuda"
+        position, notice = position_for(self.state.data_position, accelerator.num_processes, accelerator.process_index)
+        if notice:  # a stream saved by another number of processes
+            say(notice)
+        self.loader = train_loader(
+            self.data, cfg, self.engine.dp_size, self.engine.dp_rank, self.start_step, self.device.type == "cuda", stream_state=position
         )
-        self.batches = TimedIterator(iter(loader))
+        self.batches = TimedIterator(iter(self.loader))
         self.flops_per_token = self.engine.flops_per_token()
         self.peak = peak_flops(self.device, accelerator.mixed_precision, cfg.train)
         self.speed = Throughput()
@@ -268,6 +274,7 @@ class Trainer:
     def save(self) -> None:
         """A checkpoint of this step (a collective): weights, optimizer, schedule, every rank's RNG, the state."""
         self.state.skipped_steps = self.guard.skipped
+        self.state.data_position = gather_positions(self.loader)  # a collective; None unless the data is a stream
         checkpoint.save(
             self.engine,
             self.ckpt_root,
@@ -275,7 +282,7 @@ class Trainer:
             self.scheduler,
             self.state,
             self.config_yaml,
-            self.vocab_json,
+            self.tokenizer_files,
             keep=self.cfg.checkpoint.keep,
             protect=self.resume_from,
             keep_best=self.cfg.checkpoint.keep_best,
@@ -296,6 +303,9 @@ class Trainer:
             return
         save_file(model_state, str(out / "model.safetensors.tmp"))  # then renamed: a kill never leaves half a file
         os.replace(out / "model.safetensors.tmp", out / "model.safetensors")
+        export = getattr(MODELS[cfg.model.name], "export", None)  # a model from elsewhere saves its own format too
+        if export is not None:
+            say(f"[parallel_train] {export(cfg.model, model_state, out / 'hf', self.data.vocab)}")
         summary = {**self.summary(), **engine_summary}
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         say(f"[parallel_train] loss curves: {plot_runs([out], out / PICTURE)}")

@@ -14,11 +14,13 @@ from torch import nn
 
 from parallel_train.model_config import ModelConfig
 from parallel_train.models.gpt import GPT
+from parallel_train.models.hf import HFCausalLM
 from parallel_train.models.mlp import SeedMLP
 
 MODELS: dict[str, type[nn.Module]] = {
     "gpt": GPT,
     "mlp": SeedMLP,
+    "hf": HFCausalLM,  # a transformers causal LM (optional extra: requirements-hf.txt)
 }
 
 

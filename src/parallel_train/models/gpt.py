@@ -100,6 +100,7 @@ class GPT(nn.Module):
     Config = GPTConfig  # its keys: what model.name=gpt accepts
     # forward uses these together: the pipeline splitter keeps them in one stage.
     pipeline_groups = (("tok_emb", "pos_emb", "drop"),)
+    _no_split_modules = ["Block"]  # FSDP's unit (accelerate reads this name, as for transformers models)
 
     def __init__(self, cfg: GPTConfig, vocab_size: int):
         super().__init__()

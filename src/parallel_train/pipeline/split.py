@@ -7,6 +7,9 @@ The model contract (GPT and the seed MLP follow it; so can any model written as 
 - `forward` skips parts that are None (a stage keeps only its own parts and sets the others to None);
 - units that `forward` uses together can be named in a class attribute
   `pipeline_groups = (("tok_emb", "pos_emb", "drop"),)`: they always land in one stage.
+A model whose parts sit deeper (a Hugging Face model: `model.layers.3`, models/hf.py) lists them itself:
+`pipeline_units()` returns {dotted name: module} in forward order; a stage's view sets the parts it does not
+hold to None (or drops them from their ModuleList) wherever they sit.
 
 A split spec names the units of each stage, stages separated by `|`, units by `,`, with ranges of
 blocks written `blocks.0..3`:  `tok_emb,pos_emb,drop,blocks.0..1 | blocks.2..3,ln_f,head`.
@@ -31,6 +34,8 @@ CONTAINERS = (nn.ModuleDict, nn.ModuleList, nn.Sequential)
 
 def model_units(model: nn.Module) -> dict[str, nn.Module]:
     """The splittable units of `model`, in forward order: name -> module."""
+    if hasattr(model, "pipeline_units"):
+        return dict(model.pipeline_units())
     if any(True for _ in model.parameters(recurse=False)):
         raise UserError(
             f"{type(model).__name__} has parameters of its own, outside its named parts; "
@@ -201,16 +206,29 @@ def plan_stages(
     return _complete(model, stages, units)
 
 
+def _view_of(copies: dict[str, nn.Module], path: str) -> nn.Module:
+    """The stage view's own shallow copy of the submodule at `path` ("" is the model), made once."""
+    if path not in copies:
+        parent_path, _, name = path.rpartition(".")
+        parent = _view_of(copies, parent_path)
+        child = copy.copy(parent._modules[name])  # shallow: shares every submodule, so no weights are copied
+        child._modules = dict(child._modules)
+        parent._modules[name] = copies[path] = child
+    return copies[path]
+
+
 def stage_module(model: nn.Module, names: list[str]) -> nn.Module:
-    """A view of `model` keeping only the units `names` (the others None): same parameter objects and names."""
+    """A view of `model` keeping only the units `names` (the others None, or left out of their row of blocks):
+    same parameter objects and names."""
     keep = set(names)
-    stage = copy.copy(model)  # shallow: shares every submodule, so no weights are copied
-    stage._modules = {}
-    for name, child in model.named_children():
-        if isinstance(child, CONTAINERS):
-            row = copy.copy(child)
-            row._modules = {sub: block for sub, block in child.named_children() if f"{name}.{sub}" in keep}
-            stage._modules[name] = row
-        else:
-            stage._modules[name] = child if name in keep else None
-    return stage
+    copies = {"": copy.copy(model)}
+    copies[""]._modules = dict(model._modules)
+    for name in model_units(model):
+        if name not in keep:
+            parent_path, _, last = name.rpartition(".")
+            parent = _view_of(copies, parent_path)
+            if isinstance(parent, CONTAINERS):
+                del parent._modules[last]
+            else:
+                parent._modules[last] = None
+    return copies[""]

@@ -1,0 +1,194 @@
+"""A causal language model from Hugging Face transformers as a template model (model.name=hf).
+
+    python train.py model.name=hf model.hf_path=PATH_OR_HUB_NAME data.tokenizer=PATH_OR_HUB_NAME
+
+`HFCausalLM` wraps `AutoModelForCausalLM.from_pretrained` (model.hf_pretrained=true: fine-tune its weights) or
+`from_config` (false: random weights, to pre-train) and gives it the template's model contract:
+- `forward(ids) -> logits`, so the template's loss, metrics and sampler apply unchanged;
+- parameter names are the transformers model's own (`model.layers.0.self_attn.q_proj.weight`): the adapter
+  registers the model's children under their own names, so checkpoints hold a Hugging Face state dict and the
+  export (`output_dir/hf/`, hf_export.py) is a save without renaming;
+- `pipeline_units()`: the parts in forward order (embeddings, each decoder layer, final norm, lm_head) for the
+  pipeline splitter, which sets the parts a stage does not hold to None; `forward` then runs only the others
+  (hf_layouts.py: Llama-, Mistral-, Qwen- and GPT-2-style decoders);
+- `_no_split_modules` (the decoder layer class: the unit FSDP wraps; accelerate reads it too; `decoder_layers()`
+  lists them) and `tensor_parallel_plan(tp)` (transformers' own plan for the model, as torch ParallelStyles) for
+  the sharding engines.
+
+Tied embeddings (GPT-2, some Llamas: lm_head.weight is the input embedding): kept tied under data parallelism
+and FSDP, exactly as transformers trains them. A pipeline split would put that one weight in the first and the
+last stage, so it is refused in one line unless model.untie_embeddings=true gives lm_head its own copy (trained
+separately, exported untied). Checkpoints of a tied model store the shared weight once, under its first name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from parallel_train.config_fields import check, opt
+from parallel_train.errors import UserError
+from parallel_train.model_config import ModelConfig
+from parallel_train.models import hf_export, hf_layouts, hf_loading, hf_tensor_parallel
+
+
+@dataclass
+class HFConfig(ModelConfig):
+    """The keys of model.name=hf (model.<key>=value), beside the keys every model has."""
+
+    hf_path: str = opt("", "a local folder written by save_pretrained (config.json, weights) or a Hugging Face Hub name")
+    hf_pretrained: bool = opt(True, "load its weights (fine-tune); false: random weights from its config.json (pre-train)")
+    dtype: str = opt(
+        "float32", "dtype of the weights (and optimizer state); bf16 compute: train.mixed_precision=bf16", choices=tuple(hf_loading.DTYPES)
+    )
+    attn_implementation: str = opt("sdpa", "transformers attention kernel", choices=("sdpa", "eager", "flash_attention_2"))
+    untie_embeddings: bool = opt(False, "give lm_head its own copy of a tied input embedding (needed to split it into pipeline stages)")
+    activation_checkpointing: bool = opt(
+        False, "recompute each decoder layer's activations in backward: less memory, about 1/3 more compute"
+    )
+
+    def check(self) -> None:
+        check(bool(self.hf_path), "model.hf_path: give a local model folder or a Hub name, e.g. model.hf_path=Qwen/Qwen2.5-0.5B")
+        hf_loading.check_local_folder(self.hf_path)
+
+    def own_tokenizer(self) -> str | None:
+        return self.hf_path  # its folder's tokenizer.json (or the Hub repository's)
+
+
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """{second name: first name} for every parameter registered under two names (lm_head.weight -> the embedding)."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
+
+
+class HFCausalLM(nn.Module):
+    Config = HFConfig  # its keys: what model.name=hf accepts
+
+    def __init__(self, cfg: HFConfig, vocab_size: int):
+        super().__init__()
+        config = hf_loading.load_config(cfg.hf_path)
+        hf_loading.check_causal_lm(config, cfg.hf_path)
+        hf_loading.check_sizes(config, cfg.hf_path, vocab_size, cfg.block_size)
+        hf = hf_loading.load_causal_lm(config, cfg.hf_path, cfg.hf_pretrained, cfg.dtype, cfg.attn_implementation)
+        if cfg.untie_embeddings and tied_aliases(hf):
+            hf.lm_head.weight = nn.Parameter(hf.lm_head.weight.detach().clone())
+            hf.config.get_text_config().tie_word_embeddings = False
+        if cfg.activation_checkpointing:
+            hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        hf.config.use_cache = False  # training: no key/value cache
+        # Not a submodule: its children are, below, under their own names (so parameter names are its own).
+        self.__dict__["hf"] = hf
+        for name, child in hf.named_children():
+            self.add_module(name, child)
+        self.hf_path = cfg.hf_path
+        self.block_size = cfg.block_size
+        self.layout = hf_layouts.layout_for(hf)
+        self.pipeline_groups = self.layout.groups if self.layout else ()
+        self._no_split_modules = list(getattr(hf, "_no_split_modules", None) or [])
+        self.tp_plan = dict(getattr(hf, "tp_plan", None) or {})
+        self.tied = tied_aliases(hf)
+        self._register_state_dict_hook(_drop_aliases)
+        self.register_load_state_dict_post_hook(_aliases_not_missing)
+        self.train()  # from_pretrained returns the model in eval mode: no dropout, no activation checkpointing
+
+    @property
+    def config(self) -> Any:
+        return self.hf.config
+
+    def train(self, mode: bool = True) -> HFCausalLM:
+        super().train(mode)  # every part (they are the transformers model's children)
+        self.hf.training = mode  # and the transformers model itself, which its own forward may consult
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, vocab). A pipeline stage may lack some parts (hf_layouts.py)."""
+        if self.layout is None:
+            return self.hf(input_ids=x, use_cache=False).logits
+        return hf_layouts.run_decoder(self, self.layout, self.hf.config, x)
+
+    # What accelerate's FSDP2 preparation asks of a transformers model (its embeddings get FSDP units of their own).
+    def get_input_embeddings(self) -> nn.Module:
+        return self.hf.get_input_embeddings()
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        return self.hf.get_output_embeddings()
+
+    def tie_weights(self) -> None:
+        if self.tied:
+            self.hf.tie_weights()
+
+    def decoder_layers(self) -> list[nn.Module]:
+        """The modules FSDP shards one by one: every instance of the classes in `_no_split_modules`."""
+        return [m for m in self.modules() if type(m).__name__ in self._no_split_modules]
+
+    def tensor_parallel_plan(self, tp: int) -> dict[str, Any]:
+        """How `parallel.tp` ranks cut this model, for `parallelize_module`: transformers' own plan for it, in torch
+        ParallelStyles, over the modules this model (or pipeline stage) holds (hf_tensor_parallel.py)."""
+        what = f"model.hf_path {self.hf_path!r}"
+        if self.tied:
+            raise UserError(
+                f"parallel.tp={tp}: {what} ties lm_head to its input embedding, which tensor parallelism cuts two ways; "
+                "set model.untie_embeddings=true (lm_head gets its own copy)"
+            )
+        return hf_tensor_parallel.tensor_parallel_plan(self, self.tp_plan, self.hf.config, tp, what)
+
+    def pipeline_units(self) -> dict[str, nn.Module]:
+        """The parts the pipeline splitter cuts between, in forward order (pipeline/split.py)."""
+        what = f"model.hf_path {self.hf_path!r} ({self.hf.config.model_type})"
+        if self.layout is None:
+            known = ", ".join(sorted(hf_layouts.LAYOUTS))
+            raise UserError(
+                f"{what}: no pipeline layout for this architecture (known: {known}); train it without pipeline stages "
+                "(data parallel or FSDP), or add its layout in src/parallel_train/models/hf_layouts.py"
+            )
+        if self.tied:
+            pairs = ", ".join(f"{a} is {b}" for a, b in self.tied.items())
+            raise UserError(
+                f"{what} ties its embeddings ({pairs}): a pipeline split would put one weight in two stages; "
+                "set model.untie_embeddings=true (lm_head gets its own copy) or train without pipeline stages"
+            )
+        units = hf_layouts.pipeline_units(self, self.layout)
+        placed = {id(p) for unit in units.values() for p in unit.parameters()}
+        stray = [name for name, p in self.named_parameters() if id(p) not in placed]
+        if stray:
+            raise UserError(
+                f"{what}: parameters outside the pipeline layout's parts ({', '.join(stray[:3])}); train it without pipeline stages"
+            )
+        return units
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token: 6 per parameter plus attention (PaLM appendix B). The input embedding is a lookup,
+        not a matmul, so it counts only as lm_head where the two share one weight."""
+        text = self.hf.config.get_text_config()
+        n_params = sum(p.numel() for p in self.parameters())  # a tied weight once
+        if not self.tied:
+            n_params -= self.hf.get_input_embeddings().weight.numel()
+        return 6 * n_params + 12 * text.num_hidden_layers * text.hidden_size * self.block_size
+
+    @staticmethod
+    def export(cfg: HFConfig, state: dict[str, torch.Tensor], out: Path, tokenizer: Any) -> str:
+        """Write `out` as a Hugging Face model folder (hf_export.py); returns a line saying what was written."""
+        return hf_export.export_pretrained(cfg, state, out, tokenizer)
+
+
+def _drop_aliases(module: HFCausalLM, state: dict, prefix: str, local_metadata: Any) -> None:
+    """A tied weight once in a state dict (safetensors refuses two names for one tensor)."""
+    for alias in module.tied:
+        state.pop(prefix + alias, None)
+
+
+def _aliases_not_missing(module: HFCausalLM, incompatible: Any) -> None:
+    """Loading: the tied alias comes with the weight it shares, so it is not missing."""
+    for alias in module.tied:
+        if alias in incompatible.missing_keys:
+            incompatible.missing_keys.remove(alias)

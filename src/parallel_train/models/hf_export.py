@@ -1,0 +1,103 @@
+"""A trained model.name=hf model as a Hugging Face model folder: what `AutoModelForCausalLM.from_pretrained`
+and `AutoTokenizer.from_pretrained` load.
+
+    output_dir/hf/config.json               the model's config (untied if model.untie_embeddings=true)
+    output_dir/hf/model.safetensors         the trained weights, the model's own parameter names
+    output_dir/hf/generation_config.json    when the model has one
+    output_dir/hf/tokenizer.json, ...       the run's tokenizer, where it has a Hugging Face form
+
+The trainer writes it at the end of a model.name=hf run; scripts/export_hf.py writes it from any run or
+checkpoint. The weights are the template's canonical state dict, which for this model already carries the
+transformers names, so nothing is renamed: the model is built on the meta device (no memory, no random init),
+the weights are assigned to it, and `save_pretrained` writes them (sharded above 5 GB, the tied weight once).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from parallel_train.errors import UserError
+from parallel_train.models import hf_loading
+
+
+def build_empty(cfg: Any, dtype: str) -> Any:
+    """The run's transformers model with no weights (meta device), its config as the run trained it."""
+    transformers = hf_loading.import_transformers()
+    config = hf_loading.load_config(cfg.hf_path)
+    if cfg.untie_embeddings:
+        config.get_text_config().tie_word_embeddings = False
+    config.use_cache = True  # the exported model is for inference: generate() uses the cache
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=hf_loading.DTYPES[dtype])
+
+
+def load_weights(model: Any, state: dict[str, torch.Tensor], source: str) -> None:
+    """Assign the trained tensors to the empty model; the tied alias (lm_head.weight) follows its weight."""
+    result = model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    missing = [k for k, v in model.state_dict().items() if v.is_meta]
+    if missing or result.unexpected_keys:
+        raise UserError(
+            f"{source} does not fit the model of model.hf_path (missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}); "
+            "export from the run that trained it"
+        )
+
+
+def byte_tokenizer() -> Any:
+    """data.tokenizer=byte as a Hugging Face tokenizer: id i is byte i (byte-level BPE with no merges)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = {char: byte for byte, char in bytes_to_unicode().items()}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=core)
+
+
+def hf_tokenizer(tokenizer: Any, hf_path: str = "") -> Any | None:
+    """The run's tokenizer in its Hugging Face form, or None (a char vocabulary has none). When it is the model
+    folder's own tokenizer.json, the folder's tokenizer is saved whole: its special tokens and chat template too."""
+    own = Path(hf_path) / "tokenizer.json"
+    if tokenizer is not None and own.is_file() and (Path(hf_path) / "tokenizer_config.json").is_file():
+        from parallel_train.tokenization import load_hf_file
+
+        if load_hf_file(own).fingerprint == tokenizer.fingerprint:
+            return hf_loading.import_transformers().AutoTokenizer.from_pretrained(hf_path)
+    kind = getattr(tokenizer, "kind", None)
+    if kind == "byte":
+        return byte_tokenizer()
+    core = getattr(tokenizer, "tokenizer", None)  # a tokenizers.Tokenizer (a tokenizer.json, bpe:N)
+    if core is not None:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast(tokenizer_object=core)
+    return None
+
+
+def export_pretrained(
+    cfg: Any, state: dict[str, torch.Tensor], out: Path, tokenizer: Any, source: str = "the run's weights", dtype: str | None = None
+) -> str:
+    """Write `out` (replaced whole: written beside it, then renamed), its weights in `dtype` (default: as trained).
+    Returns one line saying what it holds."""
+    dtype = dtype or cfg.dtype
+    model = build_empty(cfg, dtype)
+    load_weights(model, {k: v.to(hf_loading.DTYPES[dtype]) if v.is_floating_point() else v for k, v in state.items()}, source)
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    saved = hf_tokenizer(tokenizer, cfg.hf_path)
+    if saved is not None:
+        saved.save_pretrained(tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    note = "" if saved is not None else " (no tokenizer files: the run's tokenizer has no Hugging Face form)"
+    return f"Hugging Face model folder: {out}{note}"

@@ -1,0 +1,144 @@
+"""How a Hugging Face decoder runs part by part, so that any contiguous run of its parts can be a pipeline stage.
+
+A transformers causal LM runs embeddings -> decoder layers -> final norm -> lm_head, but its own `forward` needs
+every part. This module runs the same parts one by one and skips those a stage does not hold (set to None by
+the splitter), computing in every stage what its layers need besides the hidden states:
+- position ids from the sequence length (positions 0..T-1: the template trains on whole windows, no padding);
+- the rotary cos/sin from the model's own rotary module (Llama-style models);
+- the causal mask through the model's attention implementation (`create_causal_mask`: None under sdpa, which
+  then runs its is_causal kernel; a sliding-window mask for layers that slide).
+
+A layout names the parts of one family; `LAYOUTS` maps a config's model_type to its layout. Each family listed
+is tested equal to the model's own forward (logits and gradients, tests/test_hf_models.py). Other causal LMs run
+through their own forward, whole: data parallel and FSDP work, a pipeline split is refused in one line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Layout:
+    base: str  # the ForCausalLM's attribute holding the decoder ("model", "transformer")
+    embeddings: tuple[str, ...]  # the decoder's parts that run before the layers, in order
+    layers: str  # its ModuleList of decoder layers
+    norm: str  # its final norm
+    rotary: str | None = None  # its rotary embedding module (Llama-style), or None
+    learned_positions: str | None = None  # its learned position embedding added to the tokens' (GPT-2), or None
+    groups: tuple[tuple[str, ...], ...] = field(default=())  # parts that forward uses together: one stage
+
+    def embed(self, base: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        if self.learned_positions is None:
+            return getattr(base, self.embeddings[0])(ids)
+        tokens, positions, *rest = (getattr(base, name) for name in self.embeddings)
+        h = tokens(ids) + positions(torch.arange(ids.size(1), device=ids.device)[None])
+        for module in rest:  # dropout
+            h = module(h)
+        return h
+
+
+ROTARY = Layout(base="model", embeddings=("embed_tokens",), layers="layers", norm="norm", rotary="rotary_emb")
+LEARNED = Layout(
+    base="transformer",
+    embeddings=("wte", "wpe", "drop"),
+    layers="h",
+    norm="ln_f",
+    learned_positions="wpe",
+    groups=(("transformer.wte", "transformer.wpe", "transformer.drop"),),
+)
+LAYOUTS = {"llama": ROTARY, "mistral": ROTARY, "qwen2": ROTARY, "qwen3": ROTARY, "gpt2": LEARNED}
+
+
+def layout_for(hf_model: nn.Module) -> Layout | None:
+    """The layout of this model, if its family is listed and its parts are where the layout says."""
+    layout = LAYOUTS.get(hf_model.config.model_type)
+    if layout is None:
+        return None
+    base = getattr(hf_model, layout.base, None)
+    names = (*layout.embeddings, layout.layers, layout.norm) + ((layout.rotary,) if layout.rotary else ())
+    if base is None or not all(isinstance(getattr(base, n, None), nn.Module) for n in names) or not hasattr(hf_model, "lm_head"):
+        return None
+    return layout
+
+
+def pipeline_units(model: nn.Module, layout: Layout) -> dict[str, nn.Module]:
+    """The parts in forward order, by their names in the model (`model.layers.3`), for the pipeline splitter."""
+    base = getattr(model, layout.base)
+    units = {f"{layout.base}.{name}": getattr(base, name) for name in layout.embeddings}
+    units.update({f"{layout.base}.{layout.layers}.{key}": layer for key, layer in getattr(base, layout.layers).named_children()})
+    units[f"{layout.base}.{layout.norm}"] = getattr(base, layout.norm)
+    units["lm_head"] = model.lm_head
+    return units
+
+
+def _device_of(module: nn.Module, default: torch.device) -> torch.device:
+    p = next(module.parameters(), None)
+    return p.device if p is not None else default
+
+
+class LayerInputs:
+    """What the decoder layers need besides the hidden states, for one batch: computed once per device (the
+    stages of a one-process pipeline sit on different devices) from the model's own rotary module and masks."""
+
+    def __init__(self, base: nn.Module, layout: Layout, config: Any, hidden: torch.Tensor):
+        self.base, self.layout, self.config = base, layout, config
+        self.batch, self.length, self.dtype = hidden.shape[0], hidden.shape[1], hidden.dtype
+        self.cache: dict[torch.device, dict[str, Any]] = {}
+
+    def _masks(self, embeds: torch.Tensor, positions: torch.Tensor) -> dict[str, Any]:
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        args = {"config": self.config, "inputs_embeds": embeds, "attention_mask": None, "cache": None, "position_ids": positions}
+        masks = {"full_attention": create_causal_mask(**args)}
+        if "sliding_attention" in (getattr(self.config, "layer_types", None) or ()) or getattr(self.config, "sliding_window", None):
+            masks["sliding_attention"] = create_sliding_window_causal_mask(**args)
+        return masks
+
+    def _compute(self, device: torch.device) -> dict[str, Any]:
+        positions = torch.arange(self.length, device=device)[None]
+        # Only the shape, dtype and device of the hidden states matter to the masks and the rotary module.
+        embeds = torch.empty(self.batch, self.length, 0, dtype=self.dtype, device=device)
+        out = {"position_ids": positions, "masks": self._masks(embeds, positions)}
+        if self.layout.rotary:
+            rotary = getattr(self.base, self.layout.rotary)
+            where = next(rotary.buffers(), positions).device  # one rotary module serves stages on every device
+            cos, sin = rotary(embeds.to(where), positions.to(where))
+            out["position_embeddings"] = (cos.to(device), sin.to(device))
+        return out
+
+    def for_layer(self, index: int, device: torch.device) -> dict[str, Any]:
+        if device not in self.cache:
+            self.cache[device] = self._compute(device)
+        inputs = dict(self.cache[device])
+        masks = inputs.pop("masks")
+        types = getattr(self.config, "layer_types", None)
+        if types:
+            kind = types[index]
+        else:  # Mistral: every layer slides when the config has a window
+            kind = "sliding_attention" if getattr(self.config, "sliding_window", None) else "full_attention"
+        inputs["attention_mask"] = masks[kind]
+        return inputs
+
+
+def run_decoder(model: nn.Module, layout: Layout, config: Any, x: torch.Tensor) -> torch.Tensor:
+    """Token ids (or the previous stage's hidden states) -> logits (or this stage's hidden states)."""
+    base = getattr(model, layout.base)
+    h = x
+    if getattr(base, layout.embeddings[0]) is not None:
+        h = layout.embed(base, x)
+    layers = getattr(base, layout.layers)
+    inputs = LayerInputs(base, layout, config, h) if len(layers) else None
+    for key, layer in layers.named_children():
+        device = _device_of(layer, h.device)
+        h = layer(h.to(device), use_cache=False, **inputs.for_layer(int(key), device))
+    norm = getattr(base, layout.norm)
+    if norm is not None:
+        h = norm(h)
+    if model.lm_head is not None:
+        h = model.lm_head(h)
+    return h

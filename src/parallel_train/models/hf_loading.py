@@ -1,0 +1,148 @@
+"""Loading a causal language model from Hugging Face transformers, with one-line errors for what a user can fix.
+
+`model.hf_path` is a local folder (config.json, model.safetensors, tokenizer files: what `save_pretrained`
+writes) or a Hub name (e.g. Qwen/Qwen2.5-0.5B, fetched into the Hugging Face cache when online). Weights load
+from safetensors only: a pickle (pytorch_model.bin) can run code when it is loaded, and so can a model whose
+architecture lives in the folder itself (`trust_remote_code`), which this template never enables.
+
+transformers is an optional dependency (requirements-hf.txt): it is imported here, inside functions, so the
+rest of the template runs without it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from parallel_train.errors import UserError
+
+INSTALL = "pip install -r requirements-hf.txt"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SAFE_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
+PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def import_transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise UserError(f"model.name=hf needs the transformers package: {INSTALL}") from None
+    transformers.logging.set_verbosity_error()  # its load reports and advice would repeat on every rank
+    transformers.logging.disable_progress_bar()
+    return transformers
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+
+
+def _looks_local(spec: str) -> bool:
+    """A path (not a Hub name `org/name`): starts with / . ~ or has more than one slash."""
+    return spec.startswith(("/", ".", "~")) or spec.count("/") > 1
+
+
+def check_local_folder(hf_path: str) -> Path | None:
+    """The model folder if hf_path is local (None: a Hub name). No network and no transformers: the config layer
+    calls it, so a wrong folder is named before anything else is loaded from it (its tokenizer, say)."""
+    path = Path(hf_path).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise UserError(f"model.hf_path {hf_path!r} is a file; give the folder that holds config.json")
+        if not (path / "config.json").is_file():
+            raise UserError(f"model.hf_path {hf_path!r} holds no config.json; give a folder written by save_pretrained (or a Hub name)")
+        return path
+    if _looks_local(hf_path):
+        raise UserError(f"model.hf_path {hf_path!r}: no such folder")
+    return None
+
+
+def load_config(hf_path: str) -> Any:
+    """The model's transformers config, from a local folder or the Hub; every failure is one line."""
+    transformers = import_transformers()
+    path = check_local_folder(hf_path)
+    source = str(path) if path is not None else hf_path
+    try:
+        return transformers.AutoConfig.from_pretrained(source, trust_remote_code=False)
+    except OSError as e:  # offline, no such repository, or nothing cached
+        if path is not None:
+            raise UserError(f"model.hf_path {hf_path!r}: config.json is not readable ({_first_line(e)})") from None
+        raise UserError(
+            f"model.hf_path {hf_path!r} is neither a local folder nor reachable on the Hugging Face Hub ({_first_line(e)})"
+        ) from None
+    except ValueError as e:  # an unknown model_type, or an architecture that needs its own code
+        raise UserError(f"model.hf_path {hf_path!r}: {_first_line(e)}; this template never runs code from a model folder") from None
+
+
+def check_causal_lm(config: Any, hf_path: str) -> None:
+    """Refuse architectures that are not causal (decoder-only) language models: an encoder, a classifier."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    lm_classes = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    architectures = list(getattr(config, "architectures", None) or [])
+    causal = type(config) in MODEL_FOR_CAUSAL_LM_MAPPING and (not architectures or any(a in lm_classes for a in architectures))
+    if not causal:
+        what = ", ".join(architectures) or config.model_type
+        raise UserError(
+            f"model.hf_path {hf_path!r} is a {what}, not a causal language model; give a decoder-only LM "
+            "(Llama, Qwen, Mistral, GPT-2, ...) with a ...ForCausalLM architecture"
+        )
+
+
+def check_weights(hf_path: str) -> None:
+    """A local folder asked for its weights (hf_pretrained=true) must hold them as safetensors."""
+    path = Path(hf_path).expanduser()
+    if not path.is_dir() or any((path / name).is_file() for name in SAFE_WEIGHTS):
+        return  # Hub names: from_pretrained fetches the safetensors files
+    pickled = [name for name in PICKLED_WEIGHTS if (path / name).is_file()]
+    if pickled:
+        raise UserError(
+            f"model.hf_path {hf_path!r} holds its weights as {pickled[0]} (a pickle, which can run code when loaded); "
+            "convert them to model.safetensors (save_pretrained does) or set model.hf_pretrained=false"
+        )
+    raise UserError(
+        f"model.hf_path {hf_path!r} holds no weights (model.safetensors); set model.hf_pretrained=false to start from "
+        "random weights, or give the folder that save_pretrained wrote"
+    )
+
+
+def embedding_rows(config: Any) -> int:
+    return int(config.get_text_config().vocab_size)
+
+
+def max_positions(config: Any) -> int | None:
+    text = config.get_text_config()
+    return getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+
+
+def check_sizes(config: Any, hf_path: str, vocab_size: int, block_size: int) -> None:
+    """The tokenizer's ids must fit the embedding, and the context must fit the position table."""
+    rows = embedding_rows(config)
+    if vocab_size > rows:
+        raise UserError(
+            f"the tokenizer has {vocab_size} ids but model.hf_path {hf_path!r} embeds only {rows}; "
+            "use the model's own tokenizer (data.tokenizer=<the model folder>) or one with at most that many ids"
+        )
+    positions = max_positions(config)
+    if positions and block_size > positions:
+        raise UserError(f"model.block_size={block_size} exceeds the {positions} positions of model.hf_path {hf_path!r}; lower it")
+
+
+def load_causal_lm(config: Any, hf_path: str, pretrained: bool, dtype: str, attn_implementation: str) -> torch.nn.Module:
+    """`AutoModelForCausalLM.from_pretrained` (weights) or `from_config` (random weights, seeded by the caller)."""
+    transformers = import_transformers()
+    kwargs = {"dtype": DTYPES[dtype], "attn_implementation": attn_implementation}
+    try:
+        if not pretrained:
+            return transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+        check_weights(hf_path)
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            str(Path(hf_path).expanduser()) if Path(hf_path).expanduser().exists() else hf_path,
+            config=config,
+            use_safetensors=True,
+            trust_remote_code=False,
+            **kwargs,
+        )
+    except (OSError, ValueError, ImportError) as e:  # no weights on the Hub, an attention kernel not installed
+        raise UserError(f"model.hf_path {hf_path!r}: {_first_line(e)}") from None

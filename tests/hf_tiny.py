@@ -1,0 +1,79 @@
+"""Tiny transformers models and a tokenizer, made here (no network): what the model.name=hf tests train.
+
+Each model is 2 layers, 64 wide, with a vocabulary of 300 ids (>= 256, so data.tokenizer=byte fits too), saved
+with save_pretrained into a folder, as a model from the Hub would be. The tokenizer is a byte-level BPE trained
+with `tokenizers` on the shipped corpus and wrapped as a PreTrainedTokenizerFast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from helpers import REPO
+
+VOCAB = 300
+EOS = "<|endoftext|>"
+
+
+def train_tokenizer(vocab_size: int = VOCAB):
+    """A byte-level BPE of `vocab_size` ids trained on Tiny Shakespeare, as a PreTrainedTokenizerFast."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    text = (REPO / "data" / "tinyshakespeare.txt").read_text()
+    core.train_from_iterator([text[i : i + 10_000] for i in range(0, len(text), 10_000)], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token=EOS, bos_token=EOS)
+
+
+def llama_config(**overrides):
+    from transformers import LlamaConfig
+
+    settings = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return LlamaConfig(**{**settings, **overrides})
+
+
+def gpt2_config(**overrides):
+    """GPT-2 ties lm_head to its token embedding; dropout off so that split and unsplit runs compare exactly."""
+    from transformers import GPT2Config
+
+    settings = dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2Config(**{**settings, "bos_token_id": 0, "eos_token_id": 0, **overrides})
+
+
+def save_model(config, folder: Path, tokenizer=None, seed: int = 0) -> Path:
+    """A randomly initialised model of `config` saved as a model folder (config.json, model.safetensors)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    return folder
+
+
+def make_models(root: Path) -> dict[str, Path]:
+    """{"llama": folder, "gpt2": folder}: each with weights and the trained tokenizer."""
+    tokenizer = train_tokenizer()
+    return {
+        "llama": save_model(llama_config(), root / "llama", tokenizer),
+        "gpt2": save_model(gpt2_config(), root / "gpt2", tokenizer),
+    }
