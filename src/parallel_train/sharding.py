@@ -5,11 +5,12 @@
 estimate counts exactly the parameters a real run holds.
 
 1. Tensor parallel (`parallel.tp`): `parallelize_module(model, mesh["tp"], model.tensor_parallel_plan(tp))`.
-   The plan belongs to the model (models/gpt.py keeps it next to the layers it cuts, as torchtitan does); parts
+   The plan belongs to the model (models/gpt.py keeps it next to the layers it cuts, as torchtitan does;
+   models/hf.py translates transformers' own plan for the architecture, hf_tensor_parallel.py); parts
    a pipeline stage does not hold are skipped.
-2. FSDP2 (`parallel.dp_shard`, with dp_replicate: HSDP): `fully_shard` on every block of the model's rows of
-   blocks (one FSDP unit each: only one block's whole weights exist at a time), then on the model itself for
-   the rest (embeddings, final norm, head). Over a TP model this shards the TP slices further (2-D DTensors).
+2. FSDP2 (`parallel.dp_shard`, with dp_replicate: HSDP): `fully_shard` on every unit the model names
+   (`fsdp_units`: GPT's blocks, a Hugging Face model's decoder layers; one FSDP unit each: only one block's whole
+   weights exist at a time), then on the model itself for the rest (embeddings, final norm, head). Over a TP model this shards the TP slices further (2-D DTensors).
 Parameter names never change, so checkpoints stay those of the unsplit model.
 """
 
@@ -45,7 +46,15 @@ def _holds(model: nn.Module, name: str) -> bool:
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
-    """One FSDP unit per block of each row of blocks (ModuleDict / ModuleList / Sequential children)."""
+    """The modules `fully_shard` wraps one by one, before the root. The model names them, as for accelerate:
+    `decoder_layers()` (model.name=hf: its decoder layers, wherever they sit), else every instance of the classes
+    in `_no_split_modules` (GPT: "Block"); a model naming neither gets one unit per block of each of its rows of
+    blocks (ModuleDict / ModuleList / Sequential children). A pipeline stage's view lists only the units it holds."""
+    if hasattr(model, "decoder_layers"):
+        return list(model.decoder_layers())
+    classes = set(getattr(model, "_no_split_modules", None) or ())
+    if classes:
+        return [m for m in model.modules() if m is not model and type(m).__name__ in classes]
     return [block for child in model.children() if isinstance(child, CONTAINERS) for block in child.children()]
 
 
@@ -80,19 +89,21 @@ def local_numel(module: nn.Module) -> int:
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float, pp_group=None) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ over the whole model, for parameters that may be DTensors on different
-    meshes (torch's own needs one mesh) and split over pipeline stages: squared norms of each mesh's
-    parameters (a DTensor norm, all-reduced by DTensor), of plain ones, then summed over the stages."""
-    grads = [q.grad for q in params if q.grad is not None]
-    groups: dict[object, list[torch.Tensor]] = {}
-    for g in grads:
-        groups.setdefault(getattr(g, "device_mesh", None), []).append(g)
-    device = grads[0].device if grads else torch.device("cpu")
+    meshes (torch's own needs one mesh), next to plain ones (a Hugging Face plan leaves the norms whole), and split
+    over pipeline stages: squared norms of each mesh's parameters (a DTensor norm, all-reduced by DTensor), of plain
+    ones, then summed over the stages; each group is then scaled by the one total."""
+    with_grads = [q for q in params if q.grad is not None]
+    groups: dict[object, list[torch.Tensor]] = {}  # mesh (None: plain tensors) -> its parameters
+    for q in with_grads:
+        groups.setdefault(getattr(q.grad, "device_mesh", None), []).append(q)
+    device = with_grads[0].device if with_grads else torch.device("cpu")
     sq = torch.zeros((), device=device, dtype=torch.float32)
     for group in groups.values():
-        norm = torch.nn.utils.get_total_norm(group, 2.0)
+        norm = torch.nn.utils.get_total_norm([q.grad for q in group], 2.0)
         sq += (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).float().pow(2)
     if pp_group is not None:
         dist.all_reduce(sq, group=pp_group)
     total = sq.sqrt()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    for group in groups.values():  # one mesh at a time: torch's foreach ops refuse DTensors mixed with plain tensors
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
