@@ -35,8 +35,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def weights_of(source: Path) -> Path:
-    """The model.safetensors of a checkpoint (verified against its manifest) or of a finished run."""
+def check_source(source: Path) -> None:
+    """A checkpoint, verified against its manifest (each rank's part of the weights, or a whole model.safetensors
+    in checkpoints of earlier versions), or a finished run (its model.safetensors)."""
     from parallel_train import checkpoint
 
     if not source.is_dir():
@@ -50,19 +51,18 @@ def weights_of(source: Path) -> Path:
         newest = checkpoint.list_checkpoints(source / "checkpoints")
         hint = f"; export a checkpoint: python scripts/export_hf.py {newest[-1]}" if newest else ""
         raise UserError(f"{source}: no model.safetensors (the run has not finished){hint}")
-    return source / "model.safetensors"
 
 
 def main() -> int:
     args = parse(sys.argv[1:])
     import yaml
 
-    from parallel_train.checkpoint import load_tensors
     from parallel_train.config import config_from_dict
     from parallel_train.models.hf_export import export_pretrained
     from parallel_train.tokenization import load_saved
+    from parallel_train.weights_export import load_weights
 
-    weights = weights_of(args.source)
+    check_source(args.source)
     config_file = args.source / "config.yaml"
     if not config_file.is_file():
         raise UserError(f"{args.source}: no config.yaml; is it the output_dir of a training run?")
@@ -71,7 +71,10 @@ def main() -> int:
         raise UserError(f"{args.source} trained model.name={cfg.model.name}; this script exports model.name=hf runs")
     tokenizer = load_saved(args.source)  # the run's (or checkpoint's) vocab.json or tokenizer.json, if any
     out = args.out or args.source / "hf"
-    print(export_pretrained(cfg.model, load_tensors(weights), out, tokenizer, source=str(weights), dtype=args.dtype))
+    # The model's tensors only, by parameter name, assembled whole from the ranks' parts (weights_export.py): no
+    # optimizer state is read. save_pretrained needs the whole model in memory, as the run's own export does.
+    state = load_weights(args.source)
+    print(export_pretrained(cfg.model, state, out, tokenizer, source=str(args.source), dtype=args.dtype))
     return 0
 
 

@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor.parallel import parallelize_module  # noqa: E402
 
-from parallel_train.dtensor_state import is_sharded, load_full_state_dict, to_full  # noqa: E402
+from parallel_train.dtensor_state import is_sharded, shard_like, to_full  # noqa: E402
 from parallel_train.losses import loss_fn  # noqa: E402
 from parallel_train.models.hf import HFCausalLM, HFConfig  # noqa: E402
 
@@ -83,7 +83,8 @@ def check(folder: str, rank: int, world: int) -> None:
     # Load: a fresh sharded model (other weights) continues exactly like the unsharded one.
     resumed = shard(build(folder, pretrained=False), mesh)
     resumed_opt = torch.optim.AdamW(resumed.parameters(), **ADAM)
-    load_full_state_dict(resumed, want)
+    current = resumed.state_dict()  # whole tensors in, each rank keeps its slice (as a checkpoint of the earlier format loads)
+    resumed.load_state_dict({k: shard_like(v, current[k]) for k, v in want.items()})
     ref_opt = torch.optim.AdamW(reference.parameters(), **ADAM)  # both optimizers start afresh here
     batch = batches[2]
     step(reference, ref_opt, batch[:, :-1], batch[:, 1:])

@@ -56,10 +56,10 @@ def env(tmp_path_factory):
     shutil.copytree(f / "prepared_byte", f / "prepared_truncated")
     (f / "prepared_truncated" / "train_000000.bin").write_bytes(b"\0" * 10)
     step = checkpoint.list_checkpoints(run_dir / "checkpoints")[-1]
-    # A pickle in place of optimizer.safetensors, with the manifest rewritten to match (a careful attacker).
+    # A pickle in place of a rank's tensors, with the manifest rewritten to match (a careful attacker).
     replaced = f / "replaced" / step.name
     shutil.copytree(step, replaced)
-    (replaced / "optimizer.safetensors").write_bytes(pickle.dumps(Payload(tmp / "pwned_replaced")))
+    (replaced / "shards" / "rank00000-000.safetensors").write_bytes(pickle.dumps(Payload(tmp / "pwned_replaced")))
     checkpoint.write_manifest(replaced)
     # An extra pickle file next to the real ones.
     added = f / "added" / step.name
@@ -122,7 +122,7 @@ CASES = [
     ("resume_other_model", ["model.n_embd=64"], "does not fit this model"),
     ("output_dir_is_a_file", ["output_dir={files}/a_file"], "is a file"),
     ("output_dir_not_writable", ["output_dir={files}/a_file/sub"], "is not writable"),
-    ("checkpoint_pickle_replaced", ["resume={files}/replaced/step_0000003"], "optimizer.safetensors is a pickle; refusing"),
+    ("checkpoint_pickle_replaced", ["resume={files}/replaced/step_0000003"], "rank00000-000.safetensors is a pickle; refusing"),
     ("checkpoint_pickle_added", ["resume={files}/added/step_0000003"], "extra_state.pkl is a pickle-type file; refusing"),
 ]
 

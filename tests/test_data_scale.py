@@ -88,7 +88,10 @@ def test_prepared_data_two_ranks_x_4_equal_one_x_8_equal_accumulation_4_x_2(prep
         a, b = weights(out["single"]), weights(out[other])
         for k in a:
             torch.testing.assert_close(b[k], a[k], rtol=1e-3, atol=1e-4)  # Adam amplifies float noise on near-zero grads
-    assert (out["single"] / "vocab.json").is_file() and (out["single"] / "checkpoints" / "step_0000006" / "vocab.json").is_file()
+    step6 = out["ddp"] / "checkpoints" / "step_0000006"  # written by the main process of 2, listed in the manifest
+    assert (out["single"] / "vocab.json").is_file() and (step6 / "vocab.json").is_file()
+    listed = json.loads((step6 / "manifest.json").read_text())["files"]["vocab.json"]
+    assert listed["rank"] == 0 and listed["size"] == (step6 / "vocab.json").stat().st_size and len(listed["sha256"]) == 64
 
 
 def test_prepared_data_sigkill_then_resume_is_bit_identical(prepared_runs):

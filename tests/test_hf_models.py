@@ -25,6 +25,7 @@ from parallel_train.models import hf_layouts
 from parallel_train.models.hf import HFCausalLM, HFConfig
 from parallel_train.pipeline.split import model_units, plan_stages, stage_module
 from parallel_train.sharding import fsdp_units
+from parallel_train.weights_export import load_weights
 
 transformers = pytest.importorskip("transformers")
 
@@ -309,10 +310,13 @@ def test_ddp_two_processes_equal_one_then_export_and_sample(folders, reference):
     ids = generate(trained.model, torch.tensor([prompt]), 20, T, generator=torch.Generator().manual_seed(0))
     assert trained.vocab.decode(ids[0].tolist()).startswith("ROMEO:") and ids.shape == (1, len(prompt) + 20)
     step3, folder = out / "checkpoints" / "step_0000003", reference / "step3_hf"  # any checkpoint exports the same way
+    assert (step3 / "shards").is_dir() and not (step3 / "model.safetensors").exists()  # each rank's part, by name
     check(run([PYTHON, "scripts/export_hf.py", str(step3), str(folder), "--dtype", "bfloat16"], env=env))
     exported = transformers.AutoModelForCausalLM.from_pretrained(folder)
     assert exported.dtype == torch.bfloat16 and exported.config.dtype == torch.bfloat16
-    for key, value in load_file(str(step3 / "model.safetensors")).items():  # the checkpoint's weights, rounded to bf16
+    weights = load_weights(step3)  # the checkpoint's model tensors, assembled from the shards
+    assert weights.keys() == load_file(str(out / "model.safetensors")).keys()
+    for key, value in weights.items():  # the checkpoint's weights, rounded to bf16
         assert torch.equal(exported.get_parameter(key), value.to(torch.bfloat16)), key
     assert transformers.AutoTokenizer.from_pretrained(folder)("ROMEO").input_ids == own("ROMEO").input_ids
 

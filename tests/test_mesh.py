@@ -218,27 +218,36 @@ def test_bad_mesh_launches_are_one_line_errors(tmp_path, nproc, overrides, messa
 # ---------------------------------------------------------------- checkpoints from before the q/k/v split
 
 
-def to_fused_qkv(folder: Path) -> None:
-    """Rewrite a checkpoint the way the template wrote it before GPT's q, k, v were separate: one `attn.qkv`."""
-    from parallel_train import checkpoint
+def fuse_qkv(tensors: dict) -> dict:
+    """`attn.q`, `attn.k`, `attn.v` keys (and their optimizer entries) as one `attn.qkv`, as before the split."""
+    out = {}
+    for key, value in tensors.items():
+        if ".attn.q." in key:
+            parts = [tensors[key.replace(".attn.q.", f".attn.{n}.")] for n in "qkv"]
+            out[key.replace(".attn.q.", ".attn.qkv.")] = torch.cat(parts) if value.dim() else value
+        elif ".attn.k." not in key and ".attn.v." not in key:
+            out[key] = value
+    return out
 
-    def fuse(tensors: dict) -> dict:
-        out = {}
-        for key, value in tensors.items():
-            if ".attn.q." in key:
-                parts = [tensors[key.replace(".attn.q.", f".attn.{n}.")] for n in "qkv"]
-                out[key.replace(".attn.q.", ".attn.qkv.")] = torch.cat(parts) if value.dim() else value
-            elif ".attn.k." not in key and ".attn.v." not in key:
-                out[key] = value
-        return out
 
-    save_file(fuse(load_file(str(folder / "model.safetensors"))), str(folder / "model.safetensors"))
-    save_file(fuse(load_file(str(folder / "optimizer.safetensors"))), str(folder / "optimizer.safetensors"))
-    meta = json.loads((folder / "optimizer.json").read_text())
+def fuse_meta(meta: dict) -> dict:
     for group in meta["param_groups"]:
         group["params"] = [n.replace(".attn.q.", ".attn.qkv.") for n in group["params"] if ".attn.k." not in n and ".attn.v." not in n]
-    (folder / "optimizer.json").write_text(json.dumps(meta))
-    checkpoint.write_manifest(folder)
+    return meta
+
+
+def to_fused_qkv(folder: Path) -> None:
+    """Rewrite a checkpoint the way the template wrote it before GPT's q, k, v were separate: whole tensors
+    (the format before sharded saves, tests/test_checkpoints.py) with one `attn.qkv`."""
+    from parallel_train.checkpoint_manifest import MANIFEST, sha256
+    from test_checkpoints import to_earlier_format
+
+    to_earlier_format(folder)
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        save_file(fuse_qkv(load_file(str(folder / name))), str(folder / name))
+    (folder / "optimizer.json").write_text(json.dumps(fuse_meta(json.loads((folder / "optimizer.json").read_text()))))
+    files = {p.name: {"size": p.stat().st_size, "sha256": sha256(p)} for p in sorted(folder.iterdir()) if p.name != MANIFEST}
+    (folder / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
 
 
 def test_an_old_fused_qkv_checkpoint_resumes_exactly(launched, tmp_path):
@@ -255,30 +264,33 @@ def test_an_old_fused_qkv_checkpoint_resumes_exactly(launched, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_old_fused_qkv_optimizer_state_is_cut_by_name():
-    """AdamW's moments and step of a fused `attn.qkv` land on q, k, v (checkpoint.load_optimizer_by_name)."""
-    from parallel_train.checkpoint import load_optimizer_by_name, optimizer_state_by_name
+def test_old_fused_qkv_optimizer_state_is_cut_by_name(tmp_path):
+    """AdamW's moments and step of a fused `attn.qkv` in a checkpoint of the earlier format land on q, k, v
+    (checkpoint.load_rank_state, through GPT.upgrade_state_dict)."""
+    from parallel_train import checkpoint
+    from parallel_train.engine import RankState
+    from parallel_train.named_state import MODEL, OPTIMIZER, rank_tensors
 
     torch.manual_seed(0)
     model = build_model(GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=4), 11)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    x = torch.randint(0, 11, (2, 4))
-    model(x).sum().backward()
+    model(torch.randint(0, 11, (2, 4))).sum().backward()
     opt.step()
-    tensors, meta = optimizer_state_by_name(model, opt)
-    fused = {}
-    for key, value in tensors.items():
-        if ".attn.q." in key:
-            parts = [tensors[key.replace(".attn.q.", f".attn.{n}.")] for n in "qkv"]
-            fused[key.replace(".attn.q.", ".attn.qkv.")] = torch.cat(parts) if value.dim() else value
-        elif ".attn.k." not in key and ".attn.v." not in key:
-            fused[key] = value
-    assert "blocks.0.attn.qkv.weight/exp_avg" in fused
-    fresh = torch.optim.AdamW(model.parameters(), lr=0.1)
-    load_optimizer_by_name(model, fresh, fused, meta)
-    for q in model.parameters():
+    tensors, meta = rank_tensors(RankState(model.state_dict(), model, opt))
+    for prefix, name in ((MODEL, "model.safetensors"), (OPTIMIZER, "optimizer.safetensors")):
+        part = {k[len(prefix) :]: v.contiguous() for k, v in tensors.items() if k.startswith(prefix)}
+        save_file(fuse_qkv(part), str(tmp_path / name))
+    assert "blocks.0.attn.qkv.weight/exp_avg" in load_file(str(tmp_path / "optimizer.safetensors"))
+    (tmp_path / "optimizer.json").write_text(json.dumps(fuse_meta(meta)))
+    torch.manual_seed(1)
+    fresh_model = build_model(GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=4), 11)
+    fresh = torch.optim.AdamW(fresh_model.parameters(), lr=0.1)
+    checkpoint.load_rank_state(tmp_path, RankState(fresh_model.state_dict(), fresh_model, fresh))
+    named = dict(fresh_model.named_parameters())
+    for name, q in model.named_parameters():
+        assert torch.equal(named[name], q), name
         for k, v in opt.state[q].items():
-            assert torch.equal(fresh.state[q][k], v), k
+            assert torch.equal(fresh.state[named[name]][k], v), (name, k)
 
 
 # ---------------------------------------------------------------- the model: q, k, v and its tensor-parallel plan

@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from helpers import REPO, TINY, check, launch_env, read_metrics, run, torchrun_cmd, train_cmd
 from parallel_train import checkpoint, faults
 from parallel_train.errors import collective_failure_message
+from parallel_train.weights_export import load_weights
 
 pytestmark = pytest.mark.multiprocess
 
@@ -79,7 +80,7 @@ def test_kill_during_save_leaves_previous_checkpoint_valid(ref1, tmp_path):
     killed = run(train_cmd(*BASE, f"output_dir={out}"), env=fault_env(tmp_path, "kill_in_save@6"))
     assert killed.returncode == -signal.SIGKILL
     root = out / "checkpoints"
-    assert (root / ".tmp-step_0000006" / "model.safetensors").exists()  # half-written, never renamed
+    assert list((root / ".tmp-step_0000006" / "shards").glob("rank*.safetensors"))  # written, never sealed nor renamed
     assert [p.name for p in checkpoint.list_checkpoints(root)] == ["step_0000003"]
     assert checkpoint.verify(root / "step_0000003") is None
     assert not (out / "model.safetensors").exists()
@@ -224,14 +225,14 @@ def test_corrupt_checkpoints_are_skipped_and_resumed_one_is_kept(ref1, tmp_path)
     check(run(train_cmd(*args, "checkpoint.keep=3"), env=fault_env(tmp_path)))
     root = out / "checkpoints"
     assert [p.name for p in checkpoint.list_checkpoints(root)] == ["step_0000002", "step_0000004", "step_0000006"]
-    with open(root / "step_0000006" / "optimizer.safetensors", "r+b") as f:
+    with open(root / "step_0000006" / "shards" / "rank00000-000.safetensors", "r+b") as f:
         f.truncate(100)  # a truncated file
     (root / "step_0000004" / "rng_rank0.safetensors").unlink()  # a missing file
     (out / "model.safetensors").unlink()
 
     result = check(run(train_cmd(*args, "checkpoint.keep=1", "checkpoint.keep_best=true"), env=fault_env(tmp_path)))
     warnings = [line for line in result.output.splitlines() if line.startswith("warning: skipping checkpoint")]
-    assert len(warnings) == 2 and "step_0000006" in warnings[0] and "optimizer.safetensors has 100 bytes" in warnings[0]
+    assert len(warnings) == 2 and "step_0000006" in warnings[0] and "shards/rank00000-000.safetensors has 100 bytes" in warnings[0]
     assert "step_0000004" in warnings[1] and "rng_rank0.safetensors is missing" in warnings[1]
     assert "step_0000002 at step 2" in result.output
     # keep=1 keeps the newest; the resumed-from step_2 is never deleted; the best (lowest val loss) is step_6 here.
@@ -292,7 +293,7 @@ def test_non_finite_steps_are_skipped_up_to_the_limit_on_all_ranks(tmp_path):
     result = check(run(torchrun_cmd(2, *BASE, "train.max_skipped_steps=1", f"output_dir={out}"), env=fault_env(tmp_path, "nan@2:rank=1")))
     assert "non-finite loss or gradients at step 2: update skipped (1 of at most 1)" in result.output
     for folder in checkpoint.list_checkpoints(out / "checkpoints"):
-        weights = load_file(str(folder / "model.safetensors"))
+        weights = load_weights(folder)
         assert all(torch.isfinite(t).all() for t in weights.values())
         assert json.loads((folder / "trainer_state.json").read_text())["skipped_steps"] == 1
 

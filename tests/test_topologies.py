@@ -139,7 +139,8 @@ def test_deepspeed_style_optimizer_state_is_skipped_not_fatal():
     here, so a stand-in with that shape): checkpoints keep the model and say the optimizer state is missing."""
     import torch
 
-    from parallel_train.checkpoint import load_optimizer_by_name, optimizer_state_by_name
+    from parallel_train.engine import RankState
+    from parallel_train.named_state import load_optimizer_by_name, rank_tensors
 
     model = torch.nn.Linear(2, 2)
 
@@ -149,24 +150,11 @@ def test_deepspeed_style_optimizer_state_is_skipped_not_fatal():
         def state_dict(self):
             return {"zero_stage": 2, "base_optimizer_state": {}, "single_partition_of_fp32_groups": []}
 
-    tensors, meta = optimizer_state_by_name(model, ZeroLikeOptimizer())
-    assert tensors == {} and "DeepSpeed ZeRO" in meta["missing"]
+    tensors, meta = rank_tensors(RankState(model.state_dict(), model, ZeroLikeOptimizer()))
+    assert sorted(tensors) == ["model/bias", "model/weight"] and "DeepSpeed ZeRO" in meta["missing"]
     real = torch.optim.AdamW(model.parameters(), lr=0.5)
-    load_optimizer_by_name(model, real, tensors, meta)  # a DeepSpeed checkpoint into a torch optimizer: starts fresh
+    load_optimizer_by_name(RankState({}, model, real), {}, meta)  # a DeepSpeed checkpoint into a torch optimizer: starts fresh
     assert real.param_groups[0]["lr"] == 0.5 and not real.state
-
-
-@pytest.mark.multiprocess
-def test_fsdp2_checkpoint_state_is_gathered_whole_and_loads_back(tmp_path):
-    """`fully_shard` over gloo (what fsdp.yaml does on GPUs): see tests/fsdp_worker.py for the checks."""
-    r = check(
-        run(
-            [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()), "tests/fsdp_worker.py"],
-            env=launch_env(tmp_path),
-            timeout=300,
-        )
-    )
-    assert "fsdp rank 0/2 ok" in r.stdout and "fsdp rank 1/2 ok" in r.stdout
 
 
 # ---------------------------------------------------------------- real launches of train.py

@@ -1,142 +1,58 @@
-"""Atomic, verifiable, code-free checkpoints.
+"""Atomic, verifiable, code-free checkpoints that every rank writes its own part of, optionally in the background.
 
 Layout of `output_dir/checkpoints/step_0000500/`:
-    model.safetensors        full model, canonical parameter names (the unwrapped, unsplit model's)
-    optimizer.safetensors    optimizer state keyed by parameter name (e.g. `blocks.0.attn.qkv.weight/exp_avg`)
-    optimizer.json           optimizer hyperparameters per param group, and non-tensor state
+    shards/rank00000-000.safetensors, ...   each rank's part of the model and optimizer tensors (checkpoint_storage.py):
+                             keys `model/<name>` and `optimizer/<name>/<state>` (named_state.py); FSDP2/TP shards and
+                             pipeline stages by the rank that holds them, a replicated tensor by one rank only
+    optimizer.json           optimizer hyperparameters per param group (by parameter name), and non-tensor state
     rng_rank{R}.safetensors  every rank's torch CPU (and CUDA) generator state, for exact dropout on resume
     trainer_state.json       step, LR scheduler, best val loss, tracker run id, world size
     config.yaml, vocab.json  the resolved config and the tokenizer of the run (tokenizer.json for BPE/Hugging Face)
-    manifest.json            size and sha256 of every file above; written last
+    manifest.json            size, sha256 and writing rank of every file above; written last (checkpoint_manifest.py)
 
-A checkpoint is written into `.tmp-step_*`, flushed, then renamed: a kill at any moment leaves either the
-old set of checkpoints or the new one, never a half-written `step_*`. Loading never unpickles code.
+Nothing is gathered whole on one rank: each rank writes and hashes its own files, the main process writes the
+small JSON files and, once every rank's part is on disk, the manifest. A checkpoint is written into
+`.tmp-step_*` and renamed after the manifest: a kill at any moment leaves the old set of checkpoints or the new
+one, never a half-written `step_*`. Loading never unpickles: safetensors, JSON and YAML only. Checkpoints of
+earlier versions (whole `model.safetensors` + `optimizer.safetensors`) still load.
+
+With `checkpoint.async=true` a save copies this rank's tensors (to host memory; pinned when they live on a GPU) and
+training goes on while a background thread writes them and seals the checkpoint; the next save, and the end of
+the run, first wait for it. A kill during the background write leaves the previous checkpoint as the resume point.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
-import pickletools
 import shutil
+import threading
+import time
+from concurrent.futures import Future
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from parallel_train import faults
-from parallel_train.dtensor_state import is_sharded, shard_like, to_full, upgrade_names
+from parallel_train import checkpoint_storage, faults
+from parallel_train.checkpoint_manifest import MANIFEST, SHARD_DIR, fsync, record, refuse_code, verify, write_manifest
+from parallel_train.dtensor_state import shard_like, upgrade_names
+from parallel_train.engine import RankState
 from parallel_train.errors import UserError
 from parallel_train.guards import check_finite_weights
+from parallel_train.named_state import MODEL, OPTIMIZER, load_into, merge_meta, rank_tensors, templates
 from parallel_train.train_state import TrainingState
 
 PREFIX = "step_"
-MANIFEST = "manifest.json"
 
 
 def checkpoint_name(step: int) -> str:
     return f"{PREFIX}{step:07d}"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_manifest(folder: Path) -> None:
-    files = sorted(p for p in folder.iterdir() if p.is_file() and p.name != MANIFEST)
-    manifest = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
-    for p in files:
-        _fsync(p)
-    (folder / MANIFEST).write_text(json.dumps({"files": manifest}, indent=1))
-    _fsync(folder / MANIFEST)
-    _fsync(folder)
-
-
-def verify(folder: Path) -> str | None:
-    """None if the checkpoint is complete and intact, else what is wrong with it."""
-    manifest_path = folder / MANIFEST
-    if not manifest_path.is_file():
-        return "no manifest.json (incomplete or not a checkpoint)"
-    try:
-        files = json.loads(manifest_path.read_text())["files"]
-    except (ValueError, KeyError, TypeError):
-        return "manifest.json is unreadable"
-    for name, meta in files.items():
-        p = folder / name
-        if not p.is_file():
-            return f"{name} is missing"
-        if p.stat().st_size != meta["size"]:
-            return f"{name} has {p.stat().st_size} bytes, manifest says {meta['size']}"
-        if _sha256(p) != meta["sha256"]:
-            return f"{name} does not match its sha256 in the manifest"
-    for needed in ("model.safetensors", "trainer_state.json"):
-        if needed not in files:
-            return f"{needed} is not in the manifest"
-    return None
-
-
-# Formats that can carry code (pickle, and torch.save's zip of pickles). This template writes none of them.
-PICKLE_SUFFIXES = (".pkl", ".pickle", ".bin", ".pt", ".pth", ".ckpt", ".npy", ".npz", ".zip", ".joblib")
-
-
-def _safetensors_header_ok(path: Path) -> bool:
-    """A safetensors file starts with the 8-byte length of a JSON header that fits in the file."""
-    with open(path, "rb") as f:
-        head = f.read(9)
-    return len(head) == 9 and 0 < int.from_bytes(head[:8], "little") <= path.stat().st_size - 8 and head[8:] == b"{"
-
-
-def _parses_as_pickle(path: Path) -> bool:
-    """True if the file is a complete pickle. pickletools only decodes opcodes: nothing is executed."""
-    try:
-        with open(path, "rb") as f:
-            for _ in pickletools.genops(f):
-                pass
-        return True
-    except Exception:
-        return False
-
-
-def _code_carrier(path: Path) -> str | None:
-    """Why `path` could execute code when unpickled, else None."""
-    if path.suffix.lower() in PICKLE_SUFFIXES:
-        return f"{path.name} is a pickle-type file"
-    with open(path, "rb") as f:
-        head = f.read(4)
-    if head == b"PK\x03\x04":
-        return f"{path.name} is a zip archive (torch.save format, which holds pickles)"
-    # Pickles of protocol 2+ start with 0x80; a real safetensors file may too (its header length), so
-    # only a file that is not a valid safetensors file and decodes as a whole pickle counts.
-    if head[:1] == b"\x80" and not (path.suffix == ".safetensors" and _safetensors_header_ok(path)) and _parses_as_pickle(path):
-        return f"{path.name} is a pickle"
-    return None
-
-
-def refuse_code(folder: Path) -> None:
-    """Raise if any file in the checkpoint could carry code: loading never unpickles, and a planted pickle
-    means the folder was tampered with, so this is an error, not a warning."""
-    for path in sorted(folder.iterdir()):
-        why = _code_carrier(path) if path.is_file() else None
-        if why:
-            raise UserError(
-                f"checkpoint {folder}: {why}; refusing to load it (this template writes only safetensors, "
-                "JSON and YAML and never unpickles). Remove the file or resume from a checkpoint you trust"
-            )
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -176,130 +92,140 @@ def resolve_resume(resume: str, root: Path, warn) -> Path | None:
     return path
 
 
-# ---------------------------------------------------------------- optimizer state by parameter name
-
-
-def optimizer_state_by_name(model, optimizer, keep: bool | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The optimizer's state keyed by parameter names instead of positions.
-
-    Positions depend on how the model was cut (a pipeline stage holds a few parameters); names do not,
-    so a checkpoint from any topology loads into any other. Sharded (FSDP2 DTensor) states are gathered
-    into whole tensors (a collective: every rank calls this) and kept where `keep` is true (default: on
-    global rank 0 only, which writes them; a pipeline stage keeps them on its own first rank).
-    """
-    names = {id(p): n for n, p in model.named_parameters()}
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    sd = optimizer.state_dict()
-    keeper = keep if keep is not None else (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0)
-    if "state" not in sd:  # DeepSpeed ZeRO keeps flat partitions, not one state per parameter: nothing to name
-        return {}, {"param_groups": [], "scalars": {}, "missing": "DeepSpeed ZeRO optimizer state (partitioned) is not saved"}
-    tensors: dict[str, torch.Tensor] = {}
-    scalars: dict[str, Any] = {}
-    for idx, param_state in sd["state"].items():
-        name = names[id(params[idx])]
-        for key, value in param_state.items():
-            if is_sharded(value):  # gather on every rank (a collective); only the writer keeps it, to spare host RAM
-                full = to_full(value)
-                if keeper:
-                    tensors[f"{name}/{key}"] = full.detach().contiguous().cpu()
-            elif torch.is_tensor(value):
-                tensors[f"{name}/{key}"] = value.detach().contiguous().cpu()
-            else:
-                scalars[f"{name}/{key}"] = value
-    groups = [
-        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(params[i])] for i in g["params"]]} for g in sd["param_groups"]
-    ]
-    return tensors, {"param_groups": groups, "scalars": scalars}
-
-
-def load_optimizer_by_name(model, optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-    """Inverse of optimizer_state_by_name, for whichever parameters this optimizer holds."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    sd = optimizer.state_dict()
-    tensors = upgrade_names(model, tensors)  # checkpoints from before a parameter rename (e.g. GPT's fused qkv)
-    meta = {**meta, "scalars": upgrade_names(model, meta.get("scalars", {}))}
-    if "missing" in meta or "state" not in sd:  # saved under DeepSpeed ZeRO, or loading into it: the optimizer starts fresh
-        return
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    state: dict[int, dict[str, Any]] = {}
-    for idx, p in enumerate(params):
-        prefix = names[id(p)] + "/"
-        entry = {k[len(prefix) :]: shard_like(v, p) for k, v in tensors.items() if k.startswith(prefix)}
-        entry.update({k[len(prefix) :]: v for k, v in meta["scalars"].items() if k.startswith(prefix)})
-        if entry:
-            state[idx] = entry
-    saved_groups = meta["param_groups"]
-    if len(saved_groups) != len(sd["param_groups"]):
-        raise UserError(
-            f"resume: the checkpoint's optimizer has {len(saved_groups)} param groups, this one {len(sd['param_groups'])}; "
-            "was it written with another train.optimizer?"
-        )
-    groups = []
-    for saved, current in zip(saved_groups, sd["param_groups"], strict=True):
-        hyper = {k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k != "params"}
-        groups.append({**current, **hyper, "params": current["params"]})
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
-
-
 # ---------------------------------------------------------------- save
 
 
-def save(
-    engine,
-    root: Path,
-    step: int,
-    scheduler,
-    state: TrainingState,
-    config_yaml: str,
-    tokenizer_files: dict[str, str],
-    keep: int,
-    protect: Path | None = None,
-    keep_best: bool = False,
-) -> Path:
-    """Write checkpoint `step` (the step `state` is at) atomically. A collective: every rank must call it."""
-    accelerator = engine.accelerator
-    check_finite_weights(engine, step)  # never a checkpoint with NaN/inf weights (all ranks agree)
-    final = root / checkpoint_name(step)
-    tmp = root / f".tmp-{checkpoint_name(step)}"
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
-    # Every rank: its own generator states (dropout must continue exactly where it stopped).
+
+def _gather(obj: Any, group) -> list[Any]:
+    """`obj` of every rank, on rank 0 (a collective; [obj] in one process)."""
+    if not dist.is_initialized():
+        return [obj]
+    parts = [None] * dist.get_world_size() if _rank() == 0 else None
+    dist.gather_object(obj, parts, dst=0, group=group)
+    return parts or []
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    """This process's generator states (dropout must continue exactly where it stopped)."""
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng.update({f"cuda_{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
-    save_file(rng, str(tmp / f"rng_rank{accelerator.process_index}.safetensors"))
+    return rng
 
-    # Collectives (the state may be sharded or split over ranks): every rank calls them.
-    model_state = engine.full_state_dict()
-    opt_tensors, opt_meta = engine.optimizer_state()
-    if accelerator.is_main_process:
-        save_file(model_state, str(tmp / "model.safetensors"))
-        faults.in_save(step)  # test-only: a kill here must leave the previous checkpoint valid
-        save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
-        (tmp / "optimizer.json").write_text(json.dumps(opt_meta, indent=1))
-        full_state = dict(state.to_dict(), scheduler=scheduler.state_dict())
-        if getattr(accelerator, "scaler", None) is not None:  # fp16's loss scale (plain numbers)
-            full_state["grad_scaler"] = accelerator.scaler.state_dict()
-        (tmp / "trainer_state.json").write_text(json.dumps(full_state, indent=1))
-        (tmp / "config.yaml").write_text(config_yaml)
-        for name, text in tokenizer_files.items():  # vocab.json or tokenizer.json (tokenization.py)
-            (tmp / name).write_text(text, encoding="utf-8")
-    accelerator.wait_for_everyone()
 
-    if accelerator.is_main_process:
-        write_manifest(tmp)
-        if final.exists():  # the same step saved again (e.g. a resumed run that ends where it started)
-            old = root / f".tmp-old-{checkpoint_name(step)}"  # moved aside, not deleted, until the new one is in place
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        _fsync(root)
-        prune(root, keep, protect=protect, keep_best=keep_best)
-    accelerator.wait_for_everyone()
-    return final
+class Checkpointer:
+    """Writes one run's checkpoints: synchronously, or with `background=True` (checkpoint.async) in a thread.
+
+    Every rank calls `save` at the same step, and `finish` before the run's final outputs and before it exits.
+    `blocking_s` adds up the time the training loop spent in `save` (the whole write, or with a background write the
+    copy and any wait for the previous one); `drain_s` the final wait for the last background write.
+    """
+
+    def __init__(
+        self, root: Path, keep: int, keep_best: bool = False, protect: Path | None = None, background: bool = False, timeout_s: int = 1800
+    ):
+        self.root, self.keep, self.keep_best, self.protect, self.background = root, keep, keep_best, protect, background
+        self.rank = _rank()
+        # Checkpoint collectives run on their own gloo group: a background write talks to the other ranks while
+        # training does, and the two must never interleave on one group (gloo also gathers objects on the CPU
+        # where NCCL could not). Created here, by every rank at the same point: creating a group is a collective.
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if dist.is_initialized() else None
+        self.pending: Future | None = None
+        self.stager = None
+        self.blocking_s = self.drain_s = 0.0
+
+    def save(self, engine, state: TrainingState, scheduler, config_yaml: str, tokenizer_files: dict[str, str]) -> Path:
+        """Checkpoint the step `state` is at: the engine's state, the trainer's, the config and the tokenizer
+        (`tokenizer_files`: vocab.json or tokenizer.json, tokenization.py). A collective: every rank calls it."""
+        started = time.perf_counter()
+        self.wait()  # the previous background write first: its collectives and these must not interleave
+        check_finite_weights(engine, state.step)  # never a checkpoint with NaN/inf weights (all ranks agree)
+        trainer_state = dict(state.to_dict(), scheduler=scheduler.state_dict())
+        if getattr(engine.accelerator, "scaler", None) is not None:  # fp16's loss scale (plain numbers)
+            trainer_state["grad_scaler"] = engine.accelerator.scaler.state_dict()
+        files = {"trainer_state.json": json.dumps(trainer_state, indent=1), "config.yaml": config_yaml, **tokenizer_files}
+        final = self.write(state.step, engine.rank_state(), files)
+        self.blocking_s += time.perf_counter() - started
+        return final
+
+    def write(self, step: int, rank: RankState, files: dict[str, str]) -> Path:
+        """Checkpoint `step` of `rank`'s state plus `files` (name -> text, written by the main process). Returns
+        when the checkpoint is in place, or with `background` once its tensors are copied. A collective."""
+        self.wait()  # one checkpoint in flight at a time
+        final, tmp = self.root / checkpoint_name(step), self.root / f".tmp-{checkpoint_name(step)}"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self._barrier()
+        tensors, meta = rank_tensors(rank)
+        parts = _gather(meta, self.group)  # a pipeline rank names only its own parameters
+        rng_file = f"rng_rank{self.rank}.safetensors"
+        save_file(rng_state(), str(tmp / rng_file))
+        if self.rank == 0:
+            for name, text in {**files, "optimizer.json": json.dumps(merge_meta(parts), indent=1)}.items():
+                (tmp / name).write_text(text, encoding="utf-8")
+        if not self.background:
+            self._write_and_seal(step, tmp, final, tensors, [rng_file])
+            return final
+        if self.stager is None:
+            # Host buffers kept from save to save (allocating them again costs 3-4x the copy, measured on CPU), pinned
+            # when the state lives on a GPU; the copy itself in this thread, before training goes on.
+            gpu = any(t.device.type == "cuda" for t in tensors.values())
+            self.stager = DefaultStager(
+                StagingOptions(use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=gpu)
+            )
+        staged = self.stager.stage(tensors)  # a copy: training may change the live tensors from here on
+        self.pending = Future()
+        threading.Thread(target=self._background, args=(self.pending, step, tmp, final, staged, [rng_file]), daemon=True).start()
+        return final
+
+    def _background(self, future: Future, *args) -> None:
+        # A daemon thread: a run that stops on an error does not wait for it (its checkpoint stays a .tmp-* folder).
+        try:
+            self._write_and_seal(*args)
+            future.set_result(None)
+        except BaseException as e:  # handed to the training thread at its next wait()
+            future.set_exception(e)
+
+    def _write_and_seal(self, step: int, tmp: Path, final: Path, tensors: dict[str, torch.Tensor], own: list[str]) -> None:
+        """Every rank writes its tensors and hashes its files; rank 0 writes the manifest and renames. A collective."""
+        written = checkpoint_storage.write(tmp / SHARD_DIR, tensors, self.group)  # returns once every rank's part is on disk
+        faults.in_save(step)  # test-only: a kill here must leave the previous checkpoint the resume point
+        records = {name: record(tmp, name, self.rank) for name in [f"{SHARD_DIR}/{n}" for n in written] + own}
+        merged = {name: rec for part in _gather(records, self.group) for name, rec in part.items()}
+        if self.rank == 0:
+            write_manifest(tmp, merged)
+            if final.exists():  # the same step saved again (e.g. a resumed run that ends where it started)
+                old = self.root / f".tmp-old-{final.name}"  # moved aside, not deleted, until the new one is in place
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
+            os.replace(tmp, final)
+            fsync(self.root)
+            prune(self.root, self.keep, protect=self.protect, keep_best=self.keep_best)
+        self._barrier()
+
+    def _barrier(self) -> None:
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
+    def wait(self) -> None:
+        """Until the background write (if any) is on disk and sealed; raises what it raised."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.result()
+
+    def finish(self) -> None:
+        """Wait for the last background write (before the run's final outputs and before exiting), then free the
+        host copy of the state."""
+        started = time.perf_counter()
+        self.wait()
+        self.drain_s += time.perf_counter() - started
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
 
 
 def best_checkpoint(root: Path) -> Path | None:
@@ -334,10 +260,10 @@ def prune(root: Path, keep: int, protect: Path | None = None, keep_best: bool = 
 def topology_notice(saved: TrainingState, world: int, global_batch: int) -> str | None:
     """One line when a run resumes on another number of processes or another global batch.
 
-    Model and optimizer state are whole tensors keyed by name, so they load into any topology. The data
-    order depends only on (seed, global batch, step) (data.py): with the same global batch the resumed run
-    reads exactly the samples the old one would have; with another, step k reads the k-th slice of the new
-    size from the same shuffled stream, so a few samples are skipped or seen twice at the switch.
+    Model and optimizer state are keyed by name, so they load into any topology. The data order depends only
+    on (seed, global batch, step) (batch_sampler.py): with the same global batch the resumed run reads exactly the
+    samples the old one would have; with another, step k reads the k-th slice of the new size from the same
+    shuffled stream, so a few samples are skipped or seen twice at the switch.
     """
     old_world, old_batch = saved.world_size, saved.global_batch
     if old_world == world and old_batch in (None, global_batch):
@@ -366,17 +292,49 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
         ) from None
 
 
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"resume: {path} is not readable JSON ({str(e).splitlines()[0][:120]}); resume from another checkpoint") from None
+
+
+def _model_names(rank: RankState) -> set[str]:
+    """The weights of the whole model: every rank's (a pipeline rank holds a few). A collective."""
+    if not dist.is_initialized():
+        return set(rank.model)
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, sorted(rank.model))
+    return {name for part in parts for name in part}
+
+
+def load_rank_state(folder: Path, rank: RankState) -> None:
+    """Load `folder`'s model and optimizer state into this rank's part (any topology, by name). A collective."""
+    meta = read_json(folder / "optimizer.json")
+    names = _model_names(rank)
+    if (folder / SHARD_DIR).is_dir():
+        saved = checkpoint_storage.saved_tensors(folder / SHARD_DIR)  # verify() has read every header once
+        tensors = templates(rank, saved, names)
+        checkpoint_storage.read(folder / SHARD_DIR, tensors)
+    else:  # written before sharded saves: whole tensors, which every rank reads and cuts into its shard
+        # Names the model has changed since (GPT's fused qkv) are converted by its own upgrade_state_dict.
+        whole = {MODEL + k: v for k, v in upgrade_names(rank.module, load_tensors(folder / "model.safetensors")).items()}
+        whole.update({OPTIMIZER + k: v for k, v in upgrade_names(rank.module, load_tensors(folder / "optimizer.safetensors")).items()})
+        meta = {**meta, "scalars": upgrade_names(rank.module, meta.get("scalars", {}))}
+        shapes = {k: (v.shape, v.dtype) for k, v in whole.items()}
+        tensors = {k: shard_like(whole[k], t) for k, t in templates(rank, shapes, names).items()}
+    load_into(rank, tensors, meta)
+
+
 def load(folder: Path, engine, scheduler) -> TrainingState:
     """Restore model, optimizer, scheduler and this rank's RNG from `folder`; return the training state it saved."""
     accelerator = engine.accelerator
-    state = json.loads((folder / "trainer_state.json").read_text())
+    state = read_json(folder / "trainer_state.json")
     try:
-        engine.load(
-            load_tensors(folder / "model.safetensors"),
-            load_tensors(folder / "optimizer.safetensors"),
-            json.loads((folder / "optimizer.json").read_text()),
-        )
-    except (RuntimeError, KeyError, ValueError) as e:  # load_state_dict: missing keys, shape mismatches
+        load_rank_state(folder, engine.rank_state())
+    except (UserError, RuntimeError, KeyError, ValueError) as e:  # a missing weight, another shape, load_state_dict's errors
+        if isinstance(e, UserError) and str(e).startswith("resume:"):
+            raise
         details = [line.strip() for line in str(e).splitlines() if line.strip()]
         detail = (details[1] if len(details) > 1 and details[0].startswith("Error(s) in loading") else (details or [repr(e)])[0])[:200]
         raise UserError(

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from parallel_train.config_fields import check, check_section, coerce, fields_of, hints, opt, type_name
+from parallel_train.config_fields import as_dict, check, check_section, coerce, fields_of, hints, key_name, opt, type_name
 from parallel_train.errors import UserError, is_first_process
 from parallel_train.model_config import ModelConfig
 from parallel_train.models import MODELS
@@ -87,6 +87,7 @@ class CheckpointConfig:
     interval: int = opt(500, "optimizer steps between checkpoints (0: only at the end)", min=0)
     keep: int = opt(2, "newest checkpoints to keep", min=1)
     keep_best: bool = opt(False, "also keep the checkpoint with the lowest val loss (one evaluated at its step)")
+    async_: bool = opt(False, "write checkpoints in the background: training waits only for a copy of the state")
 
 
 @dataclass
@@ -128,7 +129,7 @@ class Config:
     tracker: str = opt("wandb", "experiment tracker (wandb goes offline without credentials)", choices=("wandb", "tensorboard", "none"))
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return as_dict(self)
 
 
 # ---------------------------------------------------------------- parsing
@@ -162,13 +163,14 @@ def _set(cfg: Config, key: str, value: Any, ignored: list[str] | None = None) ->
                 where = f"model.name={cfg.model.name}"
             raise UserError(f"unknown config key '{key}': {where} has {', '.join(sorted(fields))}")
         if i == len(parts) - 1:
-            if dataclasses.is_dataclass(getattr(node, part)):
+            name = fields[part].name  # `async_` for the key `async`
+            if dataclasses.is_dataclass(getattr(node, name)):
                 raise UserError(
-                    f"config key '{key}' is a section; set one of its keys, e.g. {key}.{next(iter(fields_of(getattr(node, part))))}=..."
+                    f"config key '{key}' is a section; set one of its keys, e.g. {key}.{next(iter(fields_of(getattr(node, name))))}=..."
                 )
-            setattr(node, part, coerce(key, value, hints(type(node))[part]))
+            setattr(node, name, coerce(key, value, hints(type(node))[name]))
         else:
-            node = getattr(node, part)
+            node = getattr(node, fields[part].name)
             if not dataclasses.is_dataclass(node):
                 raise UserError(f"config key '{key}': '{'.'.join(parts[: i + 1])}' is not a section")
 
@@ -298,7 +300,7 @@ def _key_lines(node: Any, prefix: str, skip: set[str] = frozenset()) -> list[str
         default = value if not isinstance(value, str) or value else "''"
         if isinstance(value, str) and value.startswith(str(REPO_ROOT)):
             default = Path(value).relative_to(REPO_ROOT)
-        lines.append(f"  {prefix + f.name:<36} {kind:<22} default {default!s:<14} {f.metadata.get('help', '')}")
+        lines.append(f"  {prefix + key_name(f.name):<36} {kind:<22} default {default!s:<14} {f.metadata.get('help', '')}")
     return lines
 
 

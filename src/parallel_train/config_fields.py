@@ -8,6 +8,7 @@ so this module imports nothing of the package but errors.py.
 from __future__ import annotations
 
 import dataclasses
+import keyword
 import math
 import types
 import typing
@@ -38,8 +39,23 @@ def opt(
     return field(default=default, metadata=meta)
 
 
+def key_name(field_name: str) -> str:
+    """The config key of a field: its name, except that a Python keyword (`checkpoint.async`) is spelled with a
+    trailing underscore in the dataclass (`async_`), which the key drops."""
+    bare = field_name[:-1] if field_name.endswith("_") else field_name
+    return bare if keyword.iskeyword(bare) else field_name
+
+
 def fields_of(obj: Any) -> dict[str, dataclasses.Field]:
-    return {f.name: f for f in dataclasses.fields(obj)}
+    """The fields of a section by config key."""
+    return {key_name(f.name): f for f in dataclasses.fields(obj)}
+
+
+def as_dict(obj: Any) -> Any:
+    """A section (recursively) as a dict keyed by config keys, for config.yaml and trackers."""
+    if dataclasses.is_dataclass(obj):
+        return {key_name(f.name): as_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    return list(obj) if isinstance(obj, list) else obj
 
 
 def hints(cls: type) -> dict[str, Any]:
@@ -132,7 +148,7 @@ def check_section(section: Any, prefix: str) -> None:
     """Every field of one section: in its closed set of choices, and numbers in their range (finite floats)."""
     types_ = hints(type(section))
     for f in dataclasses.fields(section):
-        value, key = getattr(section, f.name), prefix + f.name
+        value, key = getattr(section, f.name), prefix + key_name(f.name)
         choices = f.metadata.get("choices")
         if choices and value not in choices:
             raise UserError(f"{key}: must be one of {', '.join(choices)}, got {value!r}")

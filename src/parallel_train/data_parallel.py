@@ -2,8 +2,8 @@
 device); every rank runs the whole model on its shard of the global batch (batch_sampler.py), and DDP
 averages the gradients. Under an FSDP or DeepSpeed accelerate config, the same code runs sharded.
 
-`full_state_dict` and `optimizer_state` are collectives (every rank calls them) that return canonical,
-name-keyed state on the main process, so checkpoints from any engine load into any other.
+`rank_state` hands checkpoints this rank's model and optimizer under canonical names (DTensor shards under FSDP2),
+so checkpoints from any engine load into any other.
 """
 
 from __future__ import annotations
@@ -16,13 +16,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallel_train.checkpoint import load_optimizer_by_name, optimizer_state_by_name
 from parallel_train.config import Config
-from parallel_train.dtensor_state import load_full_state_dict
-from parallel_train.engine import allow_every_update
+from parallel_train.engine import RankState, allow_every_update
 from parallel_train.eval_metrics import add_stats, metric_stats, metric_values
 from parallel_train.losses import loss_fn
 from parallel_train.mesh import MeshLayout, mesh_summary, share_line
+from parallel_train.named_state import torch_optimizer
 
 
 class DataParallelEngine:
@@ -87,17 +86,15 @@ class DataParallelEngine:
         self.model.train()
         return metric_values(totals)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Whole-model weights on CPU with canonical names (a collective under FSDP/DeepSpeed)."""
-        state = self.accelerator.get_state_dict(self.model)
-        return {k: v.detach().contiguous().cpu() for k, v in state.items()} if state else {}
+    def rank_state(self) -> RankState:
+        """The plain model and the torch optimizer (DTensor shards under FSDP2); no copy, no communication."""
+        from accelerate.utils import DistributedType
 
-    def optimizer_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        return optimizer_state_by_name(self.unwrapped, self.optimizer)
-
-    def load(self, model_state: dict[str, torch.Tensor], opt_tensors: dict[str, torch.Tensor], opt_meta: dict[str, Any]) -> None:
-        load_full_state_dict(self.unwrapped, model_state)  # cuts whole tensors into shards under FSDP2
-        load_optimizer_by_name(self.unwrapped, self.optimizer, opt_tensors, opt_meta)
+        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            # ZeRO keeps the optimizer state in flat partitions without parameter names (not saved; the run says so
+            # at start), and ZeRO-3 partitions the weights too: accelerate gathers them (a collective there).
+            return RankState(self.accelerator.get_state_dict(self.model) or {}, self.unwrapped, None)
+        return RankState(self.unwrapped.state_dict(), self.unwrapped, torch_optimizer(self.optimizer))
 
     def flops_per_token(self) -> int | None:
         return self.unwrapped.flops_per_token() if hasattr(self.unwrapped, "flops_per_token") else None

@@ -10,6 +10,7 @@ method marked "a collective" must be called by every rank, in the same order.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -23,6 +24,21 @@ UpdateGate = Callable[[torch.Tensor, torch.Tensor | None], bool]
 def allow_every_update(loss: torch.Tensor, grad_norm: torch.Tensor | None) -> bool:
     """The default gate, until the trainer installs guards.RunGuard.update_allowed (which skips non-finite steps)."""
     return True
+
+
+@dataclass
+class RankState:
+    """This rank's part of the training state, under canonical parameter names: what checkpoints write and read.
+
+    Whole tensors (one process, DDP), DTensor shards (FSDP2, tensor parallel) or a pipeline rank's own stages; no
+    copy and no communication. checkpoint.py writes each rank's part once (replicated tensors by one rank only) and
+    loads any checkpoint into any RankState by name, so checkpoints move between topologies.
+    """
+
+    model: dict[str, torch.Tensor]  # weights and buffers by canonical name (module.state_dict())
+    module: nn.Module  # holds this rank's parameters under canonical names (named_parameters, load_state_dict)
+    # the torch optimizer over exactly those parameters; None where its state has no per-parameter form (DeepSpeed ZeRO)
+    optimizer: torch.optim.Optimizer | None
 
 
 class Engine(Protocol):
@@ -53,16 +69,9 @@ class Engine(Protocol):
         """Training FLOPs per token of the whole model, for MFU (None: unknown)."""
         ...
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Whole-model weights on CPU with canonical parameter names, on the main process ({} elsewhere). A collective."""
-        ...
-
-    def optimizer_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """The optimizer state keyed by parameter name (tensors, JSON metadata), on the main process. A collective."""
-        ...
-
-    def load(self, model_state: dict[str, torch.Tensor], opt_tensors: dict[str, torch.Tensor], opt_meta: dict[str, Any]) -> None:
-        """Load canonical, whole-model state (from a checkpoint of any topology) into this rank's part."""
+    def rank_state(self) -> RankState:
+        """This rank's model and optimizer state by canonical name (see RankState). No communication, except under
+        DeepSpeed ZeRO-3, where accelerate gathers the weights (a collective there)."""
         ...
 
     def finish(self, out: Path) -> dict[str, Any]:

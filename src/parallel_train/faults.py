@@ -7,7 +7,8 @@ separated by `;`.
     kill@4               SIGKILL this process right after optimizer step 4 (a crash, an OOM kill)
     kill@4:rank=1        only on global rank 1
     kill@4:rank=1:once=/tmp/m   only if /tmp/m does not exist yet (it is created): fires once across restarts
-    kill_in_save@6       SIGKILL in the middle of writing checkpoint 6 (after model.safetensors)
+    kill_in_save@6       SIGKILL in the middle of writing checkpoint 6 (every rank's tensors written, no manifest yet);
+                         with checkpoint.async=true this happens in the background thread, while training goes on
     hang@3               stop answering after step 3 (the others must time out, not hang)
     sigterm@3, sigusr1@3, sigint@3   send this process a real signal after step 3
     nan@3                make the loss of step 3 NaN (through the model output)
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,9 +95,10 @@ def after_step(step: int) -> None:
 
 
 def in_save(step: int) -> None:
-    """Called by checkpoint.save after the first files of checkpoint `step` are written."""
+    """Called by checkpoint.py once every rank's tensors of checkpoint `step` are written, before the manifest."""
     if FAULTS and _fire("kill_in_save", step):
-        print(f"[fault] SIGKILL while saving checkpoint {step}", flush=True)
+        where = "in the training thread" if threading.current_thread() is threading.main_thread() else "in the background"
+        print(f"[fault] SIGKILL while saving checkpoint {step} ({where})", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
 

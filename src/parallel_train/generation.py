@@ -19,6 +19,7 @@ from parallel_train.config import Config, config_from_dict
 from parallel_train.errors import UserError
 from parallel_train.models import build_model
 from parallel_train.tokenization import HF_FILE, VOCAB_FILE, load_saved
+from parallel_train.weights_export import load_weights
 
 
 @dataclass
@@ -71,14 +72,13 @@ def load_trained(run: Path | None, ckpt: Path | None = None, device: str = "cpu"
     if vocab is None:
         _run_file(f"{HF_FILE} or {VOCAB_FILE}", folder, run)  # raises: names where it looked
     model = build_model(cfg.model, max(vocab.size, cfg.model.vocab_size))
-    try:
-        model.load_state_dict(load_file(str(folder / "model.safetensors")))
+    weights = folder if ckpt is not None else folder / "model.safetensors"
+    try:  # a checkpoint holds each rank's part: assembled whole here (weights_export.py)
+        model.load_state_dict(load_weights(folder) if ckpt is not None else load_file(str(weights)))
     except RuntimeError as e:
         first = str(e).strip().splitlines()[0]
-        raise UserError(
-            f"{folder / 'model.safetensors'} does not fit model.name={cfg.model.name} built from {cfg_path} ({first})"
-        ) from None
-    return Trained(model.to(device).eval(), vocab, cfg, folder / "model.safetensors")
+        raise UserError(f"{weights} does not fit model.name={cfg.model.name} built from {cfg_path} ({first})") from None
+    return Trained(model.to(device).eval(), vocab, cfg, weights)
 
 
 @torch.no_grad()

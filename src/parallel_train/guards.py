@@ -151,8 +151,11 @@ def check_finite_weights(engine, step: int) -> None:
     bad = torch.zeros((), dtype=torch.int64)
     # The optimizer holds exactly this rank's parameters under every engine (whole model, shard or stage).
     for p in (q for group in engine.optimizer.param_groups for q in group["params"]):
-        local = p.to_local() if hasattr(p, "to_local") else p  # a DTensor's shard
-        if not bool(torch.isfinite(local.detach()).all()):
+        local = (p.to_local() if hasattr(p, "to_local") else p).detach()  # a DTensor's shard
+        # A sum is finite only if every element is (NaN and inf propagate), and summing is about 10x faster than
+        # isfinite().all() on the CPU (0.06 s against 0.6 s for 98M parameters, part of every checkpoint save). A
+        # non-finite sum may also be an overflow of huge finite weights: only then is every element looked at.
+        if not bool(torch.isfinite(local.sum())) and not bool(torch.isfinite(local).all()):
             bad.fill_(1)
             break
     if all_reduce_small(bad, torch.distributed.ReduceOp.MAX, engine.accelerator.device).item():

@@ -24,10 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel_train.checkpoint import load_optimizer_by_name, optimizer_state_by_name
 from parallel_train.config import Config
-from parallel_train.dtensor_state import gather_full_state, load_full_state_dict
-from parallel_train.engine import allow_every_update
+from parallel_train.engine import RankState, allow_every_update
 from parallel_train.eval_metrics import add_stats, add_totals, metric_stats, metric_values
 from parallel_train.losses import loss_fn
 from parallel_train.mesh import MeshLayout, build_device_mesh, mesh_summary, share_line
@@ -112,17 +110,9 @@ class MeshEngine:
     def flops_per_token(self) -> int | None:
         return self._flops
 
-    # ---- state: whole tensors with canonical names on rank 0 (checkpoints load into any topology)
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return gather_full_state(self.model, keep=self.accelerator.is_main_process)
-
-    def optimizer_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        tensors, meta = optimizer_state_by_name(self.model, self.optimizer, keep=self.accelerator.is_main_process)
-        return (tensors, meta) if self.accelerator.is_main_process else ({}, {})
-
-    def load(self, model_state: dict[str, torch.Tensor], opt_tensors: dict[str, torch.Tensor], opt_meta: dict[str, Any]) -> None:
-        load_full_state_dict(self.model, model_state)  # each rank cuts its slices from the whole tensors
-        load_optimizer_by_name(self.model, self.optimizer, opt_tensors, opt_meta)
+    # ---- state: this rank's DTensor shards under canonical names; checkpoints write each once (any topology loads them)
+    def rank_state(self) -> RankState:
+        return RankState(self.model.state_dict(), self.model, self.optimizer)
 
     def finish(self, out: Path) -> dict[str, Any]:
         return mesh_summary(self.layout, self.local_numel)

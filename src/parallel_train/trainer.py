@@ -12,14 +12,12 @@ nothing here depends on the topology. What a checkpoint stores besides tensors i
 from __future__ import annotations
 
 import json
-import os
 import resource
 import time
 from pathlib import Path
 
 import torch
 import yaml
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from parallel_train import checkpoint, faults
@@ -28,7 +26,7 @@ from parallel_train.config import Config, save_config
 from parallel_train.data import train_loader, val_loader
 from parallel_train.data_sources import load_data
 from parallel_train.errors import UserError, is_first_process
-from parallel_train.guards import RunGuard, check_finite_weights, stop_message
+from parallel_train.guards import RunGuard, stop_message
 from parallel_train.messages import train_line
 from parallel_train.models import MODELS, build_model
 from parallel_train.optim import build_optimizer, build_scheduler
@@ -39,6 +37,7 @@ from parallel_train.tokenization import load_saved
 from parallel_train.topology import build_engine, describe
 from parallel_train.tracking import MetricsLog, finish_trackers, init_trackers, prepare_tracker_env
 from parallel_train.train_state import TrainingState
+from parallel_train.weights_export import export, load_weights
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "model.safetensors")
 
@@ -175,6 +174,8 @@ class Trainer:
         self.peak = peak_flops(self.device, accelerator.mixed_precision, cfg.train)
         self.speed = Throughput()
         self.first_step_s: float | None = None
+        c = cfg.checkpoint  # every rank writes its own part; with checkpoint.async in the background (checkpoint.py)
+        self.saver = checkpoint.Checkpointer(self.ckpt_root, c.keep, c.keep_best, self.resume_from, c.async_, cfg.parallel.timeout_s)
         self.pbar = tqdm(
             total=cfg.train.max_steps,
             initial=self.start_step,
@@ -215,6 +216,7 @@ class Trainer:
                 self.save()
             self.speed.pause(time.perf_counter() - t_pause)  # evaluation and checkpoints are not training time
             if preempted:  # the checkpoint is written on all ranks; leave cleanly
+                self.saver.finish()
                 self.pbar.close()
                 say(stop_message(stop, done, cfg.train.max_steps, self.ckpt_root / checkpoint.checkpoint_name(done)))
                 return False
@@ -275,37 +277,25 @@ class Trainer:
         """A checkpoint of this step (a collective): weights, optimizer, schedule, every rank's RNG, the state."""
         self.state.skipped_steps = self.guard.skipped
         self.state.data_position = gather_positions(self.loader)  # a collective; None unless the data is a stream
-        checkpoint.save(
-            self.engine,
-            self.ckpt_root,
-            self.state.step,
-            self.scheduler,
-            self.state,
-            self.config_yaml,
-            self.tokenizer_files,
-            keep=self.cfg.checkpoint.keep,
-            protect=self.resume_from,
-            keep_best=self.cfg.checkpoint.keep_best,
-        )
+        self.saver.save(self.engine, self.state, self.scheduler, self.config_yaml, self.tokenizer_files)
 
     # ---------------------------------------------------------------- the end
 
     def finish(self) -> None:
-        """Final weights (whole model, canonical names), summary.json and the loss picture. Collectives first."""
+        """Final weights (whole model, canonical names), summary.json and the loss picture."""
         cfg, out = self.cfg, self.out
         self.pbar.close()
         if self.start_step >= cfg.train.max_steps:
             say(f"[parallel_train] the checkpoint is already at train.max_steps={cfg.train.max_steps}; nothing to train")
         engine_summary = self.engine.finish(out)  # a collective: e.g. the pipeline timeline
-        check_finite_weights(self.engine, cfg.train.max_steps)  # a collective, like the next line
-        model_state = self.engine.full_state_dict()  # a collective: the model may be sharded or split over ranks
+        self.saver.finish()  # the last checkpoint (always written at max_steps) is on disk
         if not self.accelerator.is_main_process:
             return
-        save_file(model_state, str(out / "model.safetensors.tmp"))  # then renamed: a kill never leaves half a file
-        os.replace(out / "model.safetensors.tmp", out / "model.safetensors")
-        export = getattr(MODELS[cfg.model.name], "export", None)  # a model from elsewhere saves its own format too
-        if export is not None:
-            say(f"[parallel_train] {export(cfg.model, model_state, out / 'hf', self.data.vocab)}")
+        final = self.ckpt_root / checkpoint.checkpoint_name(cfg.train.max_steps)
+        export(final if final.is_dir() else self.resume_from, out)  # model.safetensors, one whole tensor at a time
+        own_format = getattr(MODELS[cfg.model.name], "export", None)  # a model from elsewhere saves its own format too
+        if own_format is not None:  # from the whole model just written (save_pretrained takes it in memory)
+            say(f"[parallel_train] {own_format(cfg.model, load_weights(out), out / 'hf', self.data.vocab)}")
         summary = {**self.summary(), **engine_summary}
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         say(f"[parallel_train] loss curves: {plot_runs([out], out / PICTURE)}")
@@ -331,6 +321,8 @@ class Trainer:
             "wall_time_s": time.perf_counter() - self.t_start,
             "time_to_first_step_s": self.first_step_s,
             "resumed_from": str(self.resume_from) if self.resume_from else None,
+            "checkpoint_blocking_s": self.saver.blocking_s,  # the loop's time in checkpoint saves (checkpoint.async: the copy)
+            "checkpoint_drain_s": self.saver.drain_s,  # the wait for the last background write, after the loop
             **peak_memory_mb(self.device),
         }
 

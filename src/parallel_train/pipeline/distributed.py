@@ -32,10 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel_train.checkpoint import load_optimizer_by_name, optimizer_state_by_name
 from parallel_train.config import Config
-from parallel_train.dtensor_state import gather_full_state, load_full_state_dict, upgrade_names
-from parallel_train.engine import allow_every_update
+from parallel_train.engine import RankState, allow_every_update
 from parallel_train.errors import UserError
 from parallel_train.eval_metrics import add_stats, add_totals, metric_stats, metric_values
 from parallel_train.losses import loss_fn
@@ -116,12 +114,11 @@ class MultiProcessPipelineEngine:
         where = layout.coordinate(rank)
         self.S, self.M, self.V, self.world, self.rank = S, M, V, world, rank
         self.dp_size, self.dp_rank, self.pp_rank, self.tp_rank = layout.dp, layout.dp_rank(rank), where["pp"], where["tp"]
-        self.leader = self.dp_rank == 0 and self.tp_rank == 0  # writes this stage's share of the state and timeline
+        self.leader = self.dp_rank == 0 and self.tp_rank == 0  # reports this stage's timeline
 
         if cfg.train.compile:
             accelerator.print("notice: train.compile is not applied to pipeline stages; training uncompiled")
         self._flops = model.flops_per_token() if hasattr(model, "flops_per_token") else None
-        self.canonical_keys = list(model.state_dict().keys())
         total, names = sum(q.numel() for q in model.parameters()), {id(q): n for n, q in model.named_parameters()}
         measure = measure_units(model, val_loader, self.device)
         plan = plan_stages(model, S * V, p.split, measure)
@@ -268,41 +265,15 @@ class MultiProcessPipelineEngine:
             summed = add_totals(summed, part)
         return metric_values(summed)
 
-    # ---- state: canonical names, gathered on rank 0 from each stage's leader (data-parallel and tp rank 0)
+    # ---- state: this rank's stages under canonical names (its shards of sharded stages); replicas hold the same,
+    # which checkpoints write once
+    def rank_state(self) -> RankState:
+        return RankState(self.local.state_dict(), self.local, self.optimizer)
+
     def _gather(self, obj: Any) -> list[Any] | None:
         parts = [None] * self.world if self.rank == 0 else None
         dist.gather_object(obj if self.leader else None, parts, dst=0)
         return [q for q in parts if q is not None] if parts is not None else None
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        parts = self._gather(gather_full_state(self.local, keep=self.leader))  # whole tensors of sharded stages first
-        if parts is None:
-            return {}
-        merged = {k: v for part in parts for k, v in part.items()}
-        return {k: merged[k] for k in self.canonical_keys}
-
-    def optimizer_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        parts = self._gather(optimizer_state_by_name(self.local, self.optimizer, keep=self.leader))
-        if parts is None:
-            return {}, {}
-        tensors = {k: v for t, _ in parts for k, v in t.items()}
-        scalars = {k: v for _, m in parts for k, v in m["scalars"].items()}
-        order = {k: i for i, k in enumerate(self.canonical_keys)}
-        groups = []
-        for gi, group in enumerate(parts[0][1]["param_groups"]):
-            names = sorted((n for _, m in parts for n in m["param_groups"][gi]["params"]), key=order.get)
-            groups.append({**group, "params": names})
-        return tensors, {"param_groups": groups, "scalars": scalars}
-
-    def load(self, model_state: dict[str, torch.Tensor], opt_tensors: dict[str, torch.Tensor], opt_meta: dict[str, Any]) -> None:
-        """Load the stage's share of a canonical (whole-model) checkpoint (each rank cuts its slices of sharded stages)."""
-        model_state = upgrade_names(self.local, model_state)
-        wanted = self.local.state_dict().keys()
-        missing = [k for k in wanted if k not in model_state]
-        if missing:
-            raise UserError(f"resume: the checkpoint has no {missing[0]!r} ({len(missing)} missing); was it written for another model?")
-        load_full_state_dict(self.local, {k: model_state[k] for k in wanted})
-        load_optimizer_by_name(self.local, self.optimizer, opt_tensors, opt_meta)
 
     def flops_per_token(self) -> int | None:
         return self._flops

@@ -243,9 +243,6 @@ class InProcessPipelineEngine(DataParallelEngine):
     def unwrapped(self) -> nn.Module:
         return self.base
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().contiguous().cpu() for k, v in self.base.state_dict().items()}
-
     def finish(self, out: Path) -> dict:
         self.pipe.finish_profile()
         if not self.accelerator.is_main_process:
