@@ -111,12 +111,20 @@ def test_fsdp2_on_2_ranks_with_accumulation_equals_one_process(launched):
     assert "engine: device mesh (FSDP2, plain torch): mesh dp_shard 2" in log and "global batch 2 x 2 data-parallel ranks x 2" in log
     assert_same_training(out, launched("ref")[0])
     assert summary(out)["mesh"]["dp_shard"] == 2 and summary(out)["local_param_numel"] < 0.51 * total_params()
+    assert shard_writers(out / "checkpoints" / "step_0000003") == {0, 1}  # each rank wrote its own shards
+
+
+def shard_writers(folder: Path) -> set[int]:
+    """The ranks that wrote a checkpoint's tensor files (its manifest records the writer of each)."""
+    files = json.loads((folder / "manifest.json").read_text())["files"]
+    return {meta["rank"] for name, meta in files.items() if name.startswith("shards/")}
 
 
 @pytest.mark.multiprocess
 def test_fsdp_x_tp_on_4_ranks_continues_a_tensor_parallel_checkpoint(launched):
-    """2-D DTensors (FSDP over TP), loaded from the tp=2 run's checkpoint (whole tensors, canonical names)."""
+    """2-D DTensors (FSDP over TP), loaded from the tp=2 run's checkpoint (each tp rank's shards, canonical names)."""
     out, log = launched("fsdp2_tp2")
+    assert shard_writers(launched("tp2")[0] / "checkpoints" / "step_0000003") == {0, 1}
     assert "mesh dp_shard 2 x tp 2; rank 0 holds" in log and "resumed from" in log
     assert_same_training(out, launched("ref")[0], steps=range(4, 7))
     assert summary(out)["local_param_numel"] < 0.26 * total_params()

@@ -119,7 +119,10 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
-        self.register_load_state_dict_pre_hook(_upgrade_on_load)  # old checkpoints (fused qkv) load too
+        # Old checkpoints (fused qkv) load too. Registered without a reference to this module: the public
+        # register_load_state_dict_pre_hook keeps a weak one, which dies with the whole model when only pipeline
+        # stage views (shallow copies sharing the hook) survive.
+        self._register_load_state_dict_pre_hook(_upgrade_on_load)
 
     def _init_weights(self) -> None:
         """Normal(0, 0.02) weights, zero biases. Parents come before children (modules()), and q, k, v are drawn
@@ -220,7 +223,7 @@ class GPT(nn.Module):
         return 6 * n_params + 12 * n_layer * n_embd * block
 
 
-def _upgrade_on_load(module: nn.Module, state: dict, prefix: str, *args) -> None:
+def _upgrade_on_load(state: dict, prefix: str, *args) -> None:
     """load_state_dict pre-hook: convert fused-qkv keys of old checkpoints in place (see GPT.upgrade_state_dict)."""
     if any(".qkv." in key for key in state):
         new = GPT.upgrade_state_dict(dict(state))
