@@ -5,15 +5,19 @@ Same config keys, same model class, same initial weights, same batches (the temp
 order), same AdamW groups and learning-rate schedule, same gradient clipping as `train.py`; no
 Accelerate, no DataLoader, no evaluation, no checkpoints, no trackers. `scripts/benchmark.py` runs it
 side by side with `train.py` to measure what the template costs. Character corpus only. Under torchrun it
-is a bare DDP loop (plain torch DDP over gloo): the floor for data-parallel scaling on this machine.
+is a bare DDP loop (plain torch DDP over gloo): the floor for data-parallel scaling on this machine; with
+--mode fsdp a bare FSDP2 loop (`fully_shard` per block and on the root), with --mode tp a bare tensor-parallel
+loop (`parallelize_module` with the model's own plan; every rank reads the same batch), for scripts/bench_mesh.py.
 
     python scripts/bare_loop.py --config configs/shakespeare_char_cpu.yaml train.max_steps=300
     torchrun --nproc-per-node 2 scripts/bare_loop.py --config configs/shakespeare_char_cpu.yaml
+    torchrun --nproc-per-node 2 scripts/bare_loop.py --mode fsdp ...      (or --mode tp)
     python scripts/bare_loop.py --keep-freed-memory ...   with the template's malloc setting (perf.py)
 
 Prints one JSON line: steady-state tokens/s (first log interval left out, as train.py does) and the
 loss at every log step (these match train.py's metrics.jsonl: same data, same arithmetic; under DDP
-rank 0's own loss). tokens/s counts every rank.
+rank 0's own loss), and the peak RSS of every rank. tokens/s counts every data-parallel rank (tensor-parallel
+ranks share their batch).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -41,6 +46,10 @@ def main(argv: list[str]) -> None:
     if "--keep-freed-memory" in argv:  # the one host-side setting train.py makes (perf.keep_freed_host_memory)
         argv = [a for a in argv if a != "--keep-freed-memory"]
         keep_freed_host_memory()
+    mode = "ddp"
+    if "--mode" in argv:
+        i = argv.index("--mode")
+        mode, argv = argv[i + 1], argv[:i] + argv[i + 2 :]
     cfg, _ = load_config(argv)
     m, t = cfg.model, cfg.train
     text = Path(cfg.data.path).read_text(encoding="utf-8")
@@ -53,12 +62,27 @@ def main(argv: list[str]) -> None:
     if world > 1:
         torch.distributed.init_process_group("gloo")
     rank = torch.distributed.get_rank() if world > 1 else 0
-    sampler = GlobalBatchSampler(len(train_ids) - m.block_size, t.batch_size, world, rank, t.seed)
+    dp, dp_rank = (1, 0) if mode == "tp" else (world, rank)
+    sampler = GlobalBatchSampler(len(train_ids) - m.block_size, t.batch_size, dp, dp_rank, t.seed)
 
     torch.manual_seed(t.seed)
     model = GPT(m, max(len(chars), m.vocab_size))
+    if world > 1 and mode != "ddp":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world,))
+        if mode == "tp":
+            from torch.distributed.tensor.parallel import parallelize_module
+
+            parallelize_module(model, mesh, model.tensor_parallel_plan(world))
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            for block in model.blocks.values():
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
     optimizer = build_optimizer(model, t)
-    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 and mode == "ddp" else model
     ddp.train()
 
     losses, t_steady = {}, None
@@ -69,7 +93,7 @@ def main(argv: list[str]) -> None:
             windows = train_ids[torch.as_tensor(sampler.indices_at(step * t.gradient_accumulation_steps + micro)).unsqueeze(1) + offsets]
             x, y = windows[:, :-1], windows[:, 1:]
             last = micro == t.gradient_accumulation_steps - 1
-            with ddp.no_sync() if world > 1 and not last else contextlib.nullcontext():  # all-reduce once per step
+            with ddp.no_sync() if ddp is not model and not last else contextlib.nullcontext():  # all-reduce once per step
                 logits = ddp(x)
                 loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / t.gradient_accumulation_steps
                 loss.backward()
@@ -84,9 +108,13 @@ def main(argv: list[str]) -> None:
                 t_steady = time.perf_counter()  # the first interval holds warm-up; leave it out
     elapsed = time.perf_counter() - t_steady
     steady_steps = t.max_steps - t.log_interval
-    tok_s = world * steady_steps * t.batch_size * t.gradient_accumulation_steps * m.block_size / elapsed
+    tok_s = dp * steady_steps * t.batch_size * t.gradient_accumulation_steps * m.block_size / elapsed
+    rss = [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]  # MB (KiB on Linux)
+    if world > 1:
+        rss = [None] * world
+        torch.distributed.all_gather_object(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     if rank == 0:
-        print(json.dumps({"tokens_per_sec": tok_s, "step_time_s": elapsed / steady_steps, "losses": losses}))
+        print(json.dumps({"tokens_per_sec": tok_s, "step_time_s": elapsed / steady_steps, "losses": losses, "peak_rss_mb": rss}))
     if world > 1:
         torch.distributed.destroy_process_group()
 

@@ -4,6 +4,8 @@
     python scripts/bench_pipeline.py                      M in 1 2 4 8, 2 repeats, about 4 minutes
     python scripts/bench_pipeline.py --microbatches 1 4 --repeats 3 --steps 60
     python scripts/bench_pipeline.py --update-docs        also write the table into docs/BENCHMARKS.md
+    python scripts/bench_pipeline.py --schedules gpipe 1f1b interleaved1f1b interleavedzb zbv dualpipev --microbatches 4
+                                                          the schedules side by side at one M (second table)
 
 Each figure is a real launch of train.py (`python train.py` for the single process, `torchrun
 --nproc-per-node 2 train.py parallel.pipeline_stages=2 ...` for the pipeline), steady-state tokens/s from
@@ -11,6 +13,8 @@ its summary.json (the first log interval left out). Repeats run round-robin so a
 hits every cell alike; the median is reported with the 1-minute load average seen during the cell.
 The ideal speed-up of S stages with M micro-batches is M*S/(M+S-1) (balanced stages, free communication).
 A row for the one-process executor on [cpu,cpu] shows that without a second device nothing overlaps.
+With --schedules, every schedule runs at the first --microbatches value instead (4 stages of the model on the
+2 ranks for interleaved1f1b, interleavedzb, zbv and dualpipev), with its measured bubble beside its ideal.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 DOC = REPO / "docs" / "BENCHMARKS.md"
 SECTION = "## Pipeline parallelism"
 START, END = "<!-- pipeline:start -->", "<!-- pipeline:end -->"
+SCHEDULE_MARKERS = ("<!-- pipeline-schedules:start -->", "<!-- pipeline-schedules:end -->")
 # The baby GPT of the reference numbers (4 layers, 128 wide, block 64); batch 32 so M=8 still has 4 samples.
 MODEL = (
     "model.n_layer=4",
@@ -55,6 +60,9 @@ def free_port() -> int:
 
 
 def launch(kind: str, m: int, steps: int, schedule: str, tmp: Path) -> dict:
+    """kind: single, inprocess, pipeline (schedule at M=m), or schedule:<name> (that schedule at M=m)."""
+    if kind.startswith("schedule:"):
+        kind, schedule = "schedule", kind.split(":", 1)[1]
     out = tmp / f"{kind}_m{m}_{time.monotonic_ns()}"
     common = (*MODEL, f"train.max_steps={steps}", f"train.log_interval={max(1, steps // 6)}", f"output_dir={out}")
     if kind == "single":
@@ -72,7 +80,7 @@ def launch(kind: str, m: int, steps: int, schedule: str, tmp: Path) -> dict:
             *common,
             "parallel.pipeline_stages=2",
             f"parallel.microbatches={m}",
-            f"parallel.schedule={schedule if m >= 2 else 'gpipe'}",
+            f"parallel.schedule={schedule if m >= 2 or kind == 'schedule' else 'gpipe'}",
         ]
     env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp), WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
     load_before = os.getloadavg()[0]
@@ -83,6 +91,7 @@ def launch(kind: str, m: int, steps: int, schedule: str, tmp: Path) -> dict:
     return {
         "tok_s": summary["tokens_per_sec"],
         "bubble": summary.get("pipeline_bubble_measured"),
+        "ideal": summary.get("pipeline_bubble_ideal"),
         "load": (load_before + os.getloadavg()[0]) / 2,
     }
 
@@ -116,11 +125,36 @@ def table(cells: dict[tuple[str, int], list[dict]], microbatches: list[int], sch
     return "\n".join(lines)
 
 
-def update_docs(text: str) -> None:
-    block = f"{START}\n{text}\n{END}"
+def schedule_table(cells: dict, schedules: list[str], m: int, steps: int, repeats: int) -> str:
+    def med(key, what="tok_s"):
+        values = [r[what] for r in cells[key] if r[what] is not None]
+        return statistics.median(values) if values else None
+
+    single = med(("single", 0))
+    lines = [
+        f"2 CPU processes x 1 thread, M={m} micro-batches, each schedule against 1 process x 1 thread; baby GPT (4 layers, "
+        f"128 wide, block 64), batch 32, {steps} steps, median of {repeats}. interleaved1f1b, interleavedzb, zbv and dualpipev "
+        "hold 2 stages per rank (4 stages of the model). Command: "
+        f"`python scripts/bench_pipeline.py --schedules {' '.join(schedules)} --microbatches {m}`.",
+        "",
+        "| schedule | tok/s | speed-up vs 1 process | bubble measured | bubble ideal | load avg (1 min) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name in schedules:
+        key = (f"schedule:{name}", m)
+        tok, bubble, ideal = med(key), med(key, "bubble"), med(key, "ideal")
+        load = statistics.mean(r["load"] for r in cells[key])
+        lines.append(f"| {name} | {tok:,.0f} | {tok / single:.2f}x | {bubble:.0%} | {ideal:.0%} | {load:.1f} |")
+    lines.append(f"| (1 process, no pipeline) | {single:,.0f} | 1.00x | - | - | - |")
+    return "\n".join(lines)
+
+
+def update_docs(text: str, markers: tuple[str, str] = (START, END)) -> None:
+    start, end = markers
+    block = f"{start}\n{text}\n{end}"
     doc = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-    if START in doc:
-        doc = doc[: doc.index(START)] + block + doc[doc.index(END) + len(END) :]
+    if start in doc:
+        doc = doc[: doc.index(start)] + block + doc[doc.index(end) + len(end) :]
     else:
         doc = doc.rstrip("\n") + f"\n\n{SECTION}\n\n{block}\n"
     DOC.write_text(doc)
@@ -133,10 +167,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"))
     ap.add_argument("--no-inprocess", action="store_true", help="skip the one-process [cpu,cpu] row")
+    ap.add_argument("--schedules", nargs="+", help="compare these schedules at the first --microbatches value instead")
     ap.add_argument("--update-docs", action="store_true")
     args = ap.parse_args()
 
-    plan = [("single", 0)] + [("pipeline", m) for m in args.microbatches] + ([] if args.no_inprocess else [("inprocess", 4)])
+    if args.schedules:
+        plan = [("single", 0)] + [(f"schedule:{name}", args.microbatches[0]) for name in args.schedules]
+    else:
+        plan = [("single", 0)] + [("pipeline", m) for m in args.microbatches] + ([] if args.no_inprocess else [("inprocess", 4)])
     cells: dict[tuple[str, int], list[dict]] = {key: [] for key in plan}
     with tempfile.TemporaryDirectory(prefix="bench_pipeline_") as tmp:
         for r in range(args.repeats):
@@ -144,10 +182,13 @@ def main() -> None:
                 cells[(kind, m)].append(launch(kind, m, args.steps, args.schedule, Path(tmp)))
                 last = cells[(kind, m)][-1]
                 print(f"repeat {r + 1}: {kind:9s} M={m}: {last['tok_s']:,.0f} tok/s, load {last['load']:.1f}", flush=True)
-    text = table(cells, args.microbatches, args.schedule, args.steps, args.repeats)
+    if args.schedules:
+        text = schedule_table(cells, args.schedules, args.microbatches[0], args.steps, args.repeats)
+    else:
+        text = table(cells, args.microbatches, args.schedule, args.steps, args.repeats)
     print(text)
     if args.update_docs:
-        update_docs(text)
+        update_docs(text, SCHEDULE_MARKERS if args.schedules else (START, END))
         print(f"wrote {DOC}")
 
 

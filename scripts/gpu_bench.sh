@@ -8,7 +8,9 @@
 #   bash scripts/gpu_bench.sh --steps 100 --out runs/gpu_bench
 #
 # Environment: PYTHON (default .venv/bin/python, else python3), COMPILE_MODES (default "false true"),
-# PRECISIONS (default "bf16 no"; "no" is fp32 with TF32 matmuls), GPU_COUNTS (default "1 N", N = GPUs found).
+# PRECISIONS (default "bf16 no"; "no" is fp32 with TF32 matmuls), GPU_COUNTS (default "1 N", N = GPUs found),
+# MESH (default 1 with 2+ GPUs, 0 in a dry run): also the device-mesh cells (FSDP2, FSDP x TP, TP, HSDP,
+# TP x PP on N GPUs), each beside scripts/estimate_memory.py's prediction for it: $OUT/mesh.md and mesh.json.
 # MFU uses the peak of the GPU from src/parallel_train/perf.py (A100/H100/H200); set PEAK_TFLOPS for others.
 set -euo pipefail
 
@@ -133,4 +135,61 @@ table = (f"{what}, {steps} steps per cell, steady state (first log interval left
 print("\n" + table)
 print(f"wrote {out / 'gpu_bench.md'} and {out / 'gpu_bench.json'}")
 EOF
+# ---- the device mesh: measured peak memory (torch.cuda.max_memory_allocated of rank 0) against the estimate
+if [ "${MESH:-$([ "$DRY_RUN" = 0 ] && [ "$NGPU" -ge 2 ] && echo 1 || echo 0)}" = 1 ]; then
+  N=$([ "$DRY_RUN" = 1 ] && echo 4 || echo "$NGPU")
+  MESH_CELLS=("tp2:2:parallel.tp=2" "fsdp:$N:parallel.dp_shard=$N")
+  if [ "$N" -ge 4 ]; then
+    MESH_CELLS+=("fsdp_tp2:$N:parallel.dp_shard=$((N / 2)) parallel.tp=2" "hsdp:$N:parallel.dp_replicate=2 parallel.dp_shard=$((N / 2))"
+                 "tp2_pp2:4:parallel.tp=2 parallel.pipeline_stages=2 parallel.microbatches=4 parallel.schedule=1f1b")
+  fi
+  rm -f "$OUT/mesh_cells.txt"
+  for cell in "${MESH_CELLS[@]}"; do
+    IFS=: read -r name n keys <<< "$cell"
+    run_dir="$OUT/mesh_$name"
+    rm -rf "$run_dir"
+    # shellcheck disable=SC2206
+    args=(--config configs/gpt2_124m.yaml "${SIZE[@]}" $keys "train.max_steps=$STEPS" "train.lr_decay_steps=$STEPS"
+          train.mixed_precision=bf16 train.compile=false eval.interval=0 eval.iters=1 checkpoint.interval=0 tracker=none
+          resume=none "output_dir=$run_dir")
+    "$PYTHON" scripts/estimate_memory.py --world "$n" --json "${args[@]}" > "$run_dir.estimate.json" 2> "$run_dir.estimate.log" || true
+    port=$("$PYTHON" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+    echo "== mesh $name: $TORCHRUN --nproc-per-node $n train.py ${args[*]}"
+    if $TORCHRUN --nproc-per-node "$n" --master-port "$port" train.py "${args[@]}" > "$run_dir.log" 2>&1; then
+      echo "$name ok $n" >> "$OUT/mesh_cells.txt"
+    else
+      echo "$name failed $n" >> "$OUT/mesh_cells.txt"; FAILED=1; tail -5 "$run_dir.log" >&2
+    fi
+  done
+  "$PYTHON" - "$OUT" "$DRY_RUN" <<'EOF2'
+import json, sys
+from pathlib import Path
+
+out, dry_run = Path(sys.argv[1]), sys.argv[2] == "1"
+rows, cells = [], []
+for line in (out / "mesh_cells.txt").read_text().splitlines():
+    name, status, n = line.split()
+    s = json.loads((out / f"mesh_{name}" / "summary.json").read_text()) if status == "ok" else {}
+    try:
+        est = json.loads((out / f"mesh_{name}.estimate.json").read_text())["ranks"][0]
+    except (OSError, ValueError, KeyError):
+        est = {}
+    measured = s.get("peak_memory_mb")
+    predicted = est.get("total") / 2**20 if est.get("total") else None
+    ratio = predicted / measured if predicted and measured else None
+    cells.append({"cell": name, "status": status, "processes": int(n), "mesh": s.get("mesh"), "tokens_per_sec": s.get("tokens_per_sec"),
+                  "local_param_numel": s.get("local_param_numel"), "estimated_param_numel": est.get("param_numel"),
+                  "peak_memory_mb": measured, "estimated_mb": predicted, "estimate_over_measured": ratio})
+    f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    rows.append(f"| {name} | {n} | {f(s.get('tokens_per_sec'), ',.0f')} | {f(s.get('local_param_numel'), ',')} | "
+                f"{f(est.get('param_numel'), ',')} | {f(measured, ',.0f')} | {f(predicted, ',.0f')} | {f(ratio, '.2f')} | {status} |")
+what = "DRY RUN on CPU (peak memory is host RSS: not comparable with the estimate)" if dry_run else "configs/gpt2_124m.yaml, bf16"
+table = (f"{what}: device mesh cells, rank 0\n\n| cell | processes | tokens/s | parameters held | estimated | peak memory (MB, "
+         "max_memory_allocated) | estimated (MB) | estimate / measured | status |\n|---|---:|---:|---:|---:|---:|---:|---:|---|\n"
+         + "\n".join(rows) + "\n")
+(out / "mesh.md").write_text(table)
+(out / "mesh.json").write_text(json.dumps({"dry_run": dry_run, "cells": cells}, indent=1))
+print("\n" + table)
+EOF2
+fi
 exit $FAILED

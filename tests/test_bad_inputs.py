@@ -80,6 +80,11 @@ def snapshot(folder: Path) -> dict[str, tuple[int, int, str]]:
 # (id, arguments; {run} {files} are filled in, what the error line must contain)
 CASES = [
     ("unknown_key", ["model.n_layers=2"], "unknown config key 'model.n_layers'"),
+    (
+        "mesh_bigger_than_world",
+        ["parallel.tp=2"],
+        "= 1 x 1 x 1 x 2 = 2 (parallel.* keys and the launch config), but 1 process was launched",
+    ),
     ("section_as_value", ["model=3"], "config key 'model' is a section"),
     ("int_not_a_number", ["train.batch_size=abc"], "train.batch_size: expected an integer"),
     ("int_with_fraction", ["train.max_steps=2.5"], "train.max_steps: expected an integer"),

@@ -24,6 +24,7 @@ from parallel_train.generation import encode_prompt, generate, load_trained
 from parallel_train.models import hf_layouts
 from parallel_train.models.hf import HFCausalLM, HFConfig
 from parallel_train.pipeline.split import model_units, plan_stages, stage_module
+from parallel_train.sharding import fsdp_units
 from parallel_train.weights_export import load_weights
 
 transformers = pytest.importorskip("transformers")
@@ -166,6 +167,7 @@ def test_sharding_engines_get_the_decoder_layers_and_the_tp_plan(folders):
     llama = adapter(folders["llama"])
     assert llama._no_split_modules == ["LlamaDecoderLayer"]
     assert [type(m).__name__ for m in llama.decoder_layers()] == ["LlamaDecoderLayer"] * 2
+    assert fsdp_units(llama) == llama.decoder_layers()  # what the mesh engine's fully_shard wraps, before the root
     plan = llama.tensor_parallel_plan(2)
     assert len(plan) == 2 + 2 * 7 and isinstance(plan["model.layers.1.self_attn.k_proj"], ColwiseParallel)
     assert isinstance(plan["model.layers.0.mlp.down_proj"], RowwiseParallel) and isinstance(plan["model.embed_tokens"], RowwiseParallel)
@@ -355,6 +357,54 @@ def test_fsdp2_and_tensor_parallel_on_cpu(folders, tmp_path):
     result = check(run([*cmd, str(folders["llama"]), str(folders["gpt2"])], env=launch_env(tmp_path), timeout=300))
     for what in ("fsdp llama", "fsdp gpt2", "tp llama"):
         assert all(f"hf {what} rank {r}/2 ok" in result.stdout for r in (0, 1)), result.output[-2000:]
+
+
+# The mesh engine (FSDP2, tensor parallel) on the template's own launches, with tests/test_mesh.py's set-up and
+# tolerance: global batch 8 (4 x 2 accumulation steps, or 2 x 2 on each of 2 data-parallel ranks), SGD (Adam
+# would blow float noise in near-zero gradients up into full steps), losses and weights within 1e-5 relative.
+MESH_SGD = ("train.gradient_accumulation_steps=2", "train.optimizer=sgd", "train.learning_rate=0.5")
+MESH_LAUNCHES = {"ref": (1, ()), "fsdp2": (2, ("train.batch_size=2", "parallel.dp_shard=2")), "tp2": (2, ("parallel.tp=2",))}
+
+
+@pytest.fixture(scope="module")
+def mesh_runs(folders, tmp_path_factory):
+    """mesh_runs(name) -> (output_dir, log) of the Llama launched as MESH_LAUNCHES[name], once per module."""
+    tmp, done = tmp_path_factory.mktemp("hf_mesh"), {}
+
+    def launch(name: str):
+        if name not in done:
+            nproc, overrides = MESH_LAUNCHES[name]
+            args = (*RUN, *MESH_SGD, f"model.hf_path={folders['llama']}", *overrides, f"output_dir={tmp / name}")
+            cmd = train_cmd(*args) if nproc == 1 else torchrun_cmd(nproc, *args)
+            done[name] = (tmp / name, check(run(cmd, env=launch_env(tmp), timeout=600)).output)
+        return done[name]
+
+    return launch
+
+
+def assert_same_as_mesh_reference(out, ref):
+    got, want = train_losses(out), train_losses(ref)
+    assert got.keys() == want.keys() and all(got[s] == pytest.approx(want[s], rel=1e-5) for s in want), (got, want)
+    assert summary(out)["final_val_loss"] == pytest.approx(summary(ref)["final_val_loss"], rel=1e-5)
+    w, r = load_file(str(out / "model.safetensors")), load_file(str(ref / "model.safetensors"))
+    assert w.keys() == r.keys() and "model.layers.1.self_attn.q_proj.weight" in w
+    for key in r:
+        torch.testing.assert_close(w[key], r[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.multiprocess
+def test_llama_fsdp2_on_2_ranks_shards_each_decoder_layer_and_equals_one_process(mesh_runs):
+    out, log = mesh_runs("fsdp2")
+    assert "device mesh (FSDP2" in log and (out / "hf" / "config.json").exists()
+    assert_same_as_mesh_reference(out, mesh_runs("ref")[0])
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_llama_tensor_parallel_on_2_ranks_by_its_own_plan_equals_one_process(mesh_runs):
+    out, log = mesh_runs("tp2")
+    assert "device mesh (tensor parallel" in log
+    assert_same_as_mesh_reference(out, mesh_runs("ref")[0])
 
 
 @pytest.mark.slow

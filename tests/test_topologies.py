@@ -42,6 +42,8 @@ EXPECTED = {
     "multi_gpu": ("MULTI_GPU", 8, 1, "bf16"),
     "multi_node": ("MULTI_GPU", 16, 2, "bf16"),
     "fsdp": ("FSDP", 8, 1, "bf16"),
+    "fsdp_tp": ("FSDP", 8, 1, "bf16"),
+    "hsdp": ("FSDP", 8, 1, "bf16"),
     "deepspeed_zero2": ("DEEPSPEED", 8, 1, "bf16"),
     "deepspeed_zero3": ("DEEPSPEED", 8, 1, "bf16"),
 }
@@ -82,6 +84,10 @@ def test_every_config_loads_validates_and_is_documented():
         assert (args.use_fsdp, args.use_deepspeed) == (dist_type == "FSDP", dist_type == "DEEPSPEED"), name
     assert launch_args("deepspeed_zero2").zero_stage == 2 and launch_args("deepspeed_zero3").zero_stage == 3
     assert launch_args("deepspeed_zero3").zero3_save_16bit_model is True  # else get_state_dict cannot consolidate
+    for name, sizes in (("fsdp_tp", (1, 4, 2)), ("hsdp", (2, 4, 1))):  # the parallelism_config block (product = num_processes)
+        args = launch_args(name)
+        assert args.use_parallelism_config and str(args.fsdp_version) == "2", name
+        assert (args.parallelism_config_dp_replicate_size, args.parallelism_config_dp_shard_size, args.parallelism_config_tp_size) == sizes
     requirements = (REPO / "requirements-deepspeed.txt").read_text()
     assert re.search(r"^deepspeed==", requirements, re.M) and re.search(r"^transformers==", requirements, re.M)
 
@@ -184,28 +190,6 @@ def test_accelerate_launch_with_the_users_default_config(tmp_path):
     assert (tmp_path / "hf" / "accelerate" / "default_config.yaml").is_file()
     r = check(run([ACCELERATE, "launch", "train.py", *TINY, f"output_dir={tmp_path / 'out'}"], env=env))
     assert_finished(tmp_path / "out", 1, [r])
-
-
-@pytest.mark.multiprocess
-def test_fsdp_yaml_on_cpu_runs_ddp_and_says_so_once(tmp_path):
-    r = check(
-        run(
-            [
-                ACCELERATE,
-                "launch",
-                "--config_file",
-                "accelerate_configs/fsdp.yaml",
-                "--num_processes",
-                "2",
-                "train.py",
-                *TINY,
-                f"output_dir={tmp_path / 'out'}",
-            ],
-            env=launch_env(tmp_path),
-        )
-    )
-    assert r.output.count("FSDP needs GPUs; on CPU accelerate falls back to plain DDP, so this run is DDP, not FSDP") == 1
-    assert_finished(tmp_path / "out", 2, [r])
 
 
 def two_node_env(tmp_path: Path) -> dict[str, str]:

@@ -61,7 +61,7 @@ def test_single_process_run_writes_every_output_and_learns(runs):
     ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert ckpts == ["step_0000003", "step_0000006"]
     # Canonical names: exactly the parameters of the plain model.
-    assert "blocks.0.attn.qkv.weight" in weights(out) and not any(k.startswith("module.") for k in weights(out))
+    assert "blocks.0.attn.q.weight" in weights(out) and not any(k.startswith("module.") for k in weights(out))
 
 
 def test_two_gloo_processes_form_one_ddp_group(runs):

@@ -5,7 +5,8 @@ The same train.py runs under `python`, `accelerate launch` (any config) and `tor
 - refuses fp16 on CPU (accelerate would silently train in fp32);
 - checks that the process group really has the size the launcher was asked for (accelerate's `--cpu`
   and MULTI_CPU-without-mpirun paths start ONE process without a word);
-- says in one line when FSDP or DeepSpeed cannot run here and what runs instead.
+- says in one line when DeepSpeed cannot run here and what runs instead (FSDP runs on CPU too: the mesh
+  engine shards with plain torch, mesh_engine.py).
 """
 
 from __future__ import annotations
@@ -84,9 +85,12 @@ def make_accelerator(cfg: Config, notice) -> Accelerator:  # noqa: F821 (lazy im
         and (int(os.environ.get("WORLD_SIZE", "1")) > 1 or "ACCELERATE_DYNAMO_BACKEND" in os.environ)
     ):
         notice("no CUDA GPU found: running these processes on CPU (gloo backend) instead")
-    for flag, what in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")):
-        if _env_true(flag) and not cuda:
-            notice(f"{what} needs GPUs; on CPU accelerate falls back to plain DDP, so this run is DDP, not {what}")
+    if _env_true("ACCELERATE_USE_DEEPSPEED") and not cuda:
+        notice("DeepSpeed needs GPUs; on CPU accelerate falls back to plain DDP, so this run is DDP, not DeepSpeed")
+    # A launch config's parallelism_config block: the template builds the device mesh itself (mesh.py reads the
+    # sizes from PARALLELISM_CONFIG_* with accelerate's ParallelismConfig), on CPU as on GPU. Left set, the
+    # Accelerator would build a second mesh without the pipeline axis, and refuse to on CPU (not "multi-device").
+    os.environ.pop("ACCELERATE_USE_PARALLELISM_CONFIG", None)
     if _env_true("ACCELERATE_USE_DEEPSPEED") and cuda:
         notice(
             "DeepSpeed ZeRO: checkpoints hold the whole model but not the optimizer state (ZeRO partitions it); "

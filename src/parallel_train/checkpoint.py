@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from parallel_train import checkpoint_storage, faults
 from parallel_train.checkpoint_manifest import MANIFEST, SHARD_DIR, fsync, record, refuse_code, verify, write_manifest
-from parallel_train.dtensor_state import shard_like
+from parallel_train.dtensor_state import shard_like, upgrade_names
 from parallel_train.engine import RankState
 from parallel_train.errors import UserError
 from parallel_train.guards import check_finite_weights
@@ -317,8 +317,10 @@ def load_rank_state(folder: Path, rank: RankState) -> None:
         tensors = templates(rank, saved, names)
         checkpoint_storage.read(folder / SHARD_DIR, tensors)
     else:  # written before sharded saves: whole tensors, which every rank reads and cuts into its shard
-        whole = {MODEL + k: v for k, v in load_tensors(folder / "model.safetensors").items()}
-        whole.update({OPTIMIZER + k: v for k, v in load_tensors(folder / "optimizer.safetensors").items()})
+        # Names the model has changed since (GPT's fused qkv) are converted by its own upgrade_state_dict.
+        whole = {MODEL + k: v for k, v in upgrade_names(rank.module, load_tensors(folder / "model.safetensors")).items()}
+        whole.update({OPTIMIZER + k: v for k, v in upgrade_names(rank.module, load_tensors(folder / "optimizer.safetensors")).items()})
+        meta = {**meta, "scalars": upgrade_names(rank.module, meta.get("scalars", {}))}
         shapes = {k: (v.shape, v.dtype) for k, v in whole.items()}
         tensors = {k: shard_like(whole[k], t) for k, t in templates(rank, shapes, names).items()}
     load_into(rank, tensors, meta)

@@ -92,16 +92,26 @@ class CheckpointConfig:
 
 @dataclass
 class ParallelConfig:
+    # The device mesh (mesh.py): dp_replicate x dp_shard x pipeline_stages x tp processes, all of them.
+    dp_replicate: int = opt(
+        1, "data-parallel replicas (whole copies, or HSDP groups with dp_shard); all mesh keys 1: fill the world", min=1
+    )
+    dp_shard: int = opt(1, "FSDP2: processes that shard parameters, gradients and optimizer state (1: none)", min=1)
+    tp: int = opt(1, "tensor parallel: processes that split every layer (by heads / columns; the model's plan)", min=1)
     pipeline_stages: int = opt(1, "pipeline stages the model is cut into (1: no pipeline)", min=1)
     microbatches: int = opt(1, "micro-batches per batch in the pipeline", min=1)
-    schedule: str = opt("gpipe", "pipeline schedule", choices=("gpipe", "1f1b", "interleaved1f1b"))
+    schedule: str = opt(
+        "gpipe",
+        "pipeline schedule (zbv, dualpipev, interleavedzb: zero bubble, 2 stages per rank)",
+        choices=("gpipe", "1f1b", "interleaved1f1b", "interleavedzb", "zbv", "dualpipev"),
+    )
     stage_devices: list[str] = opt([], "devices of the stages in one process, e.g. [cuda:0,cuda:1]")
     split: str = opt(
         "auto",
         "auto (balance parameter count), time (balance measured time) or module names per stage, stages split by |: "
         "'tok_emb,pos_emb,blocks.0..1|blocks.2..3,ln_f,head'",
     )
-    stages_per_rank: int = opt(2, "interleaved1f1b only: model stages each pipeline rank holds", min=1)
+    stages_per_rank: int = opt(2, "interleaved1f1b, interleavedzb: model stages each pipeline rank holds (zbv, dualpipev: 2)", min=1)
     # datetime.timedelta and the collectives' C++ millisecond timeouts accept this much.
     timeout_s: int = opt(1800, "seconds a collective may wait before the run fails", min=1, max=10**8)
 

@@ -20,6 +20,7 @@ from parallel_train.config import Config
 from parallel_train.engine import RankState, allow_every_update
 from parallel_train.eval_metrics import add_stats, metric_stats, metric_values
 from parallel_train.losses import loss_fn
+from parallel_train.mesh import MeshLayout, mesh_summary, share_line
 from parallel_train.named_state import torch_optimizer
 
 
@@ -28,6 +29,9 @@ class DataParallelEngine:
 
     def __init__(self, cfg: Config, accelerator, model: nn.Module, optimizer: torch.optim.Optimizer, val_loader):
         self.cfg, self.accelerator = cfg, accelerator
+        self.layout = MeshLayout(dp_replicate=accelerator.num_processes)  # every rank holds the whole model
+        self.local_numel = sum(q.numel() for q in model.parameters())
+        self.name = f"{self.name}: {share_line(self.layout, self.local_numel, self.local_numel)}"
         self.loss_fn = loss_fn
         if cfg.train.compile:
             # In place (nn.Module.compile): parameter names stay canonical for checkpoints; the loss is
@@ -100,5 +104,5 @@ class DataParallelEngine:
         return self.accelerator.reduce(loss, reduction="mean")
 
     def finish(self, out: Path) -> dict[str, Any]:
-        """End-of-run extras for summary.json (pipeline engines draw their timeline). A collective."""
-        return {}
+        """End-of-run extras for summary.json: the mesh and what rank 0 holds (pipeline engines add their timeline)."""
+        return mesh_summary(self.layout, self.local_numel)

@@ -13,6 +13,7 @@ same order. `shard_like` needs no communication: every rank read the whole tenso
 from __future__ import annotations
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 
@@ -34,3 +35,10 @@ def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return full  # plain parameters, and per-parameter scalars such as Adam's `step`
     # src_data_rank=None: every rank already holds the whole tensor, so each keeps its slice, no broadcast.
     return distribute_tensor(full.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+
+
+def upgrade_names(model: nn.Module, state: dict) -> dict:
+    """Keys of checkpoints written before a model renamed its parameters, converted by the model's own
+    `upgrade_state_dict` (models/gpt.py: the fused qkv), if it has one."""
+    upgrade = getattr(model, "upgrade_state_dict", None)
+    return upgrade(state) if upgrade is not None else state

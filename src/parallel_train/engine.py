@@ -1,8 +1,9 @@
 """The Engine: how one optimizer step runs on this topology. The trainer talks to nothing else.
 
-Engines: `DataParallelEngine` (data_parallel.py; DDP, or FSDP/DeepSpeed through accelerate), and the pipeline
-engines (pipeline/inprocess.py: stages on several devices in one process; pipeline/distributed.py: one stage
-per process). topology.py picks one for a config. Every engine owns the model and the optimizer, and every
+Engines: `DataParallelEngine` (data_parallel.py; DDP, or DeepSpeed through accelerate), `MeshEngine`
+(mesh_engine.py; FSDP2, HSDP and tensor parallel on a device mesh), and the pipeline engines
+(pipeline/inprocess.py: stages on several devices in one process; pipeline/distributed.py: one stage per
+process, on the mesh). topology.py picks one for a config. Every engine owns the model and the optimizer, and every
 method marked "a collective" must be called by every rank, in the same order.
 """
 

@@ -1,8 +1,13 @@
 """Which engine runs this config and launch, and one line that describes the launch.
 
 parallel.stage_devices given          -> pipeline in one process over those devices (pipeline/inprocess.py)
-parallel.pipeline_stages > 1          -> one pipeline stage per process (pipeline/distributed.py)
-otherwise                             -> data parallel: DDP, or FSDP/DeepSpeed via accelerate (data_parallel.py)
+parallel.pipeline_stages > 1          -> one pipeline stage per process (pipeline/distributed.py), on the mesh
+parallel.dp_shard or parallel.tp > 1  -> the device mesh: FSDP2 / HSDP / tensor parallel (mesh_engine.py);
+  also an FSDP launch config (fsdp.yaml, fsdp_tp.yaml, hsdp.yaml), which shards on CPU too
+otherwise                             -> data parallel: DDP, or DeepSpeed via accelerate (data_parallel.py)
+
+The mesh (mesh.py) is resolved from the keys, the launch config and the world size first: a product that is
+not the world size is a one-line error before anything is built.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from parallel_train.config import Config
 from parallel_train.data_parallel import DataParallelEngine
 from parallel_train.engine import Engine
 from parallel_train.errors import UserError
+from parallel_train.mesh import resolve_layout
+from parallel_train.mesh_engine import MeshEngine
 from parallel_train.pipeline.distributed import MultiProcessPipelineEngine
 from parallel_train.pipeline.inprocess import InProcessPipelineEngine
 
@@ -25,16 +32,24 @@ def build_engine(cfg: Config, accelerator, model: nn.Module, optimizer: torch.op
     """The engine for this config and launch; it takes ownership of the model and the optimizer."""
     p = cfg.parallel
     if p.stage_devices:
+        if p.tp > 1 or p.dp_shard > 1:
+            raise UserError(
+                "parallel.stage_devices (all stages in one process) combines with data parallelism only; for parallel.tp or "
+                "parallel.dp_shard leave stage_devices empty and launch one process per stage"
+            )
         return InProcessPipelineEngine(cfg, accelerator, model, optimizer, val_loader)
-    if p.pipeline_stages > 1:
-        if accelerator.num_processes > 1:
-            return MultiProcessPipelineEngine(cfg, accelerator, model, optimizer, val_loader)
+    if p.pipeline_stages > 1 and accelerator.num_processes == 1:
         S = p.pipeline_stages
         raise UserError(
             f"parallel.pipeline_stages={S} in one process needs parallel.stage_devices (one device per stage, e.g. "
             f"[{','.join(['cpu'] * S)}] or [{','.join(f'cuda:{i}' for i in range(S))}]), or launch {S} processes: "
             f"torchrun --nproc-per-node {S} train.py ..."
         )
+    layout = resolve_layout(cfg, accelerator.num_processes)
+    if layout.pp > 1:
+        return MultiProcessPipelineEngine(cfg, accelerator, model, optimizer, val_loader, layout)
+    if layout.sharded:
+        return MeshEngine(cfg, accelerator, model, optimizer, val_loader, layout)
     return DataParallelEngine(cfg, accelerator, model, optimizer, val_loader)
 
 

@@ -9,11 +9,17 @@ checkpoints use them as parameter names whatever the topology):
 
 `forward` tolerates missing parts (set to None by a pipeline stage): a stage without the embeddings
 takes the previous stage's activations as input, a stage without the head returns activations.
+
+Tensor parallelism (`parallel.tp`): `tensor_parallel_plan` says how torch's `parallelize_module` cuts each
+part (attention by heads, the MLP by columns, sequence parallel on the norms). Attention has separate q, k, v
+projections so that a column cut gives each rank whole heads of all three; checkpoints written before that,
+with one fused `attn.qkv`, are converted on load (`upgrade_state_dict`).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from parallel_train.config_fields import check, opt
+from parallel_train.errors import UserError
 from parallel_train.model_config import ModelConfig
 
 
@@ -43,20 +50,23 @@ class GPTConfig(ModelConfig):
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.n_head = cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
         self.dropout = cfg.dropout
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        # Separate projections (not one fused qkv): a column cut for tensor parallelism then gives each rank
+        # whole heads of q, k and v. GPT._init_weights draws them as one block, the numbers of a fused layer.
+        self.q = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.k = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.v = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        # (B, T, C) -> (B, heads, T, head_dim)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        B, T, _ = x.shape
+        # (B, T, heads x head_dim) -> (B, heads, T, head_dim); under tensor parallelism this rank's heads only
+        q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
         # Fused attention: flash / memory-efficient kernels on GPU, a fused kernel on CPU.
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        y = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_drop(self.proj(y))
 
 
@@ -94,7 +104,7 @@ class GPT(nn.Module):
 
     def __init__(self, cfg: GPTConfig, vocab_size: int):
         super().__init__()
-        self.block_size = cfg.block_size
+        self.block_size, self.n_head = cfg.block_size, cfg.n_head
         self.activation_checkpointing = cfg.activation_checkpointing
         self.tok_emb = nn.Embedding(vocab_size, cfg.n_embd)
         self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
@@ -105,17 +115,87 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.n_embd, vocab_size, bias=False)
 
         # GPT-2 initialisation; residual projections scaled down by depth.
-        self.apply(self._init_weights)
+        self._init_weights()
         for name, p in self.named_parameters():
             if name.endswith("proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        # Old checkpoints (fused qkv) load too. Registered without a reference to this module: the public
+        # register_load_state_dict_pre_hook keeps a weak one, which dies with the whole model when only pipeline
+        # stage views (shallow copies sharing the hook) survive.
+        self._register_load_state_dict_pre_hook(_upgrade_on_load)
+
+    def _init_weights(self) -> None:
+        """Normal(0, 0.02) weights, zero biases. Parents come before children (modules()), and q, k, v are drawn
+        as one (3C, C) block: the same random numbers, in the same order, as the former fused qkv layer."""
+        drawn = set()
+        for module in self.modules():
+            if isinstance(module, CausalSelfAttention):
+                fused = torch.empty(3 * module.q.out_features, module.q.in_features).normal_(mean=0.0, std=0.02)
+                with torch.no_grad():
+                    for proj, rows in zip((module.q, module.k, module.v), fused.chunk(3), strict=True):
+                        proj.weight.copy_(rows)
+                drawn.update((module.q, module.k, module.v))
+            if isinstance(module, (nn.Linear, nn.Embedding)) and module not in drawn:
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
 
     @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+    def upgrade_state_dict(state: dict) -> dict:
+        """Checkpoint keys from before the q/k/v split: `blocks.N.attn.qkv.weight` (and its optimizer entries,
+        `.../exp_avg`) become `attn.q`, `attn.k`, `attn.v`, each a third of the rows; per-parameter scalars
+        (Adam's `step`) are copied to all three. Other keys pass unchanged."""
+        out = {}
+        for key, value in state.items():
+            m = re.fullmatch(r"(.*\battn)\.qkv\.(weight|bias)(/.*)?", key)
+            if m is None:
+                out[key] = value
+                continue
+            parts = value.chunk(3) if torch.is_tensor(value) and value.dim() > 0 else (value, value, value)
+            for name, part in zip("qkv", parts, strict=True):
+                out[f"{m.group(1)}.{name}.{m.group(2)}{m.group(3) or ''}"] = part.clone() if torch.is_tensor(part) else part
+        return out
+
+    def tensor_parallel_plan(self, tp: int) -> dict:
+        """How `parallel.tp` ranks cut this model: {module name: torch ParallelStyle}, for `parallelize_module`.
+
+        Megatron-style: q, k, v and the MLP's first layer by columns (each rank whole heads / a slice of the
+        hidden units), the attention and MLP output projections by rows (one all-reduce each, done as a
+        reduce-scatter: sequence parallel); between them the residual stream, the LayerNorms and dropout work on
+        1/tp of the sequence each. The embeddings are cut by rows of the vocabulary / positions, the output layer
+        by columns (the vocabulary), and the logits gathered whole, so the loss is the unsplit model's.
+        Parts a pipeline stage does not hold are skipped by the caller.
+        """
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+        if self.n_head % tp:
+            raise UserError(
+                f"parallel.tp={tp} does not divide model.n_head={self.n_head}: each rank holds whole heads; "
+                f"choose a tp that divides {self.n_head}"
+            )
+        plan = {
+            "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "pos_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
+            "ln_f": SequenceParallel(),
+            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        }
+        for name in self.blocks:
+            b = f"blocks.{name}."
+            plan.update(
+                {
+                    b + "ln_1": SequenceParallel(),
+                    b + "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                    b + "attn.q": ColwiseParallel(),
+                    b + "attn.k": ColwiseParallel(),
+                    b + "attn.v": ColwiseParallel(),
+                    b + "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+                    b + "ln_2": SequenceParallel(),
+                    b + "mlp.fc": ColwiseParallel(input_layouts=Shard(1)),
+                    b + "mlp.proj": RowwiseParallel(output_layouts=Shard(1)),
+                }
+            )
+        return plan
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, vocab). A pipeline stage may lack some parts."""
@@ -141,3 +221,11 @@ class GPT(nn.Module):
         n_layer, block = len(self.blocks), self.block_size
         n_embd = self.pos_emb.weight.shape[1]
         return 6 * n_params + 12 * n_layer * n_embd * block
+
+
+def _upgrade_on_load(state: dict, prefix: str, *args) -> None:
+    """load_state_dict pre-hook: convert fused-qkv keys of old checkpoints in place (see GPT.upgrade_state_dict)."""
+    if any(".qkv." in key for key in state):
+        new = GPT.upgrade_state_dict(dict(state))
+        state.clear()
+        state.update(new)

@@ -26,6 +26,7 @@ from parallel_train.data_parallel import DataParallelEngine
 from parallel_train.engine import allow_every_update
 from parallel_train.errors import UserError
 from parallel_train.losses import loss_fn
+from parallel_train.mesh import MeshLayout, mesh_summary
 from parallel_train.pipeline.cost import measure_units
 from parallel_train.pipeline.split import describe_stages, model_units, plan_stages
 from parallel_train.pipeline.timeline import Recorder, write_report
@@ -229,6 +230,8 @@ class InProcessPipelineEngine(DataParallelEngine):
         self.device = devices[-1]  # targets meet the logits on the last stage
         self.dp_size, self.dp_rank = accelerator.num_processes, accelerator.process_index
         self.devices = devices
+        # The mesh counts processes: each holds every stage (on its own devices), one data-parallel replica.
+        self.layout, self.local_numel = MeshLayout(dp_replicate=accelerator.num_processes), sum(q.numel() for q in model.parameters())
         self.name = (
             f"pipeline in one process (executor 1): {len(devices)} stages on {', '.join(map(str, devices))}, "
             f"GPipe fill-drain over {p.microbatches} micro-batches"
@@ -246,4 +249,5 @@ class InProcessPipelineEngine(DataParallelEngine):
             return {}
         labels = [f"stage {s} on {d}" for s, d in enumerate(self.devices)]
         title = f"in-process pipeline: {len(self.devices)} stages, {self.cfg.parallel.microbatches} micro-batches (GPipe)"
-        return write_report(self.recorder.steady(), labels, self.cfg.parallel.microbatches, 1, out, title, self.accelerator.print)
+        report = write_report(self.recorder.steady(), labels, self.cfg.parallel.microbatches, 1, out, title, self.accelerator.print)
+        return {**mesh_summary(self.layout, self.local_numel), **report}

@@ -2,10 +2,16 @@
 
 One "flush" is one pass of all micro-batches through the pipeline (forward and backward), i.e. one
 `schedule.step` or one accumulation micro-step. Each span is (row, stage, micro-batch, kind, start, end)
-in seconds; a row is a device (in-process executor) or a pipeline rank (multi-process executor; with
-the interleaved schedule a rank runs several stages). The bubble is the share of row-time in which a
-row computes nothing: 1 - busy / (rows x makespan). With S rows and M micro-batches the ideal GPipe /
-1F1B bubble is (S-1)/(M+S-1) (interleaving V stages per rank: (S-1)/(V*M+S-1)).
+in seconds; kind is F (forward), B (backward; under the zero-bubble schedules only the input's gradient)
+or W (the weights' gradient, zero-bubble schedules). A row is a device (in-process executor) or a pipeline
+rank (multi-process executor; with the interleaved and V schedules a rank runs several stages). The bubble
+is the share of row-time in which a row computes nothing: 1 - busy / (rows x makespan).
+
+Ideal bubbles with S rows, M micro-batches, V stages per row, when every stage takes the same time:
+GPipe / 1F1B (S-1)/(M+S-1); interleaved 1F1B (S-1)/(V*M+S-1). The zero-bubble schedules (Qi et al. 2023,
+arXiv:2401.10241) assume forward, input-backward and weight-backward each take one unit t: the interleaved
+ZB1P leaves (S-1) t idle against 3VM t of work, (S-1)/(3VM+S-1); ZB-V and DualPipeV leave none once
+M >= 2S. Real B and W are rarely equal, so the measured bubble is the number to read.
 """
 
 from __future__ import annotations
@@ -16,8 +22,22 @@ from pathlib import Path
 Span = tuple[int, int, int, str, float, float]  # row, stage, micro-batch, "F" or "B", start s, end s
 
 
-def ideal_bubble(n_rows: int, microbatches: int, stages_per_row: int = 1) -> float:
-    return (n_rows - 1) / (stages_per_row * microbatches + n_rows - 1)
+ZERO_BUBBLE_V = ("zbv", "dualpipev")
+
+
+def ideal_bubble(n_rows: int, microbatches: int, stages_per_row: int = 1, schedule: str = "1f1b") -> float:
+    if schedule in ZERO_BUBBLE_V:
+        return 0.0
+    units = 3 if schedule == "interleavedzb" else 1  # F, B, W of equal time against F+B
+    return (n_rows - 1) / (units * stages_per_row * microbatches + n_rows - 1)
+
+
+def ideal_formula(stages_per_row: int, schedule: str) -> str:
+    if schedule in ZERO_BUBBLE_V:
+        return "0 (F = B = W, M >= 2S)"
+    if schedule == "interleavedzb":
+        return f"(S-1)/(3*V*M+S-1), V={stages_per_row},"
+    return "(S-1)/(M+S-1)" if stages_per_row == 1 else f"(S-1)/(V*M+S-1), V={stages_per_row},"
 
 
 def bubble_fraction(spans: list[Span], n_rows: int) -> float | None:
@@ -60,18 +80,18 @@ class Recorder:
         return list(self.flushes) or ([self.first] if self.first else [])
 
 
-def summarize(flushes: list[list[Span]], n_rows: int, microbatches: int, stages_per_row: int = 1) -> dict:
+def summarize(flushes: list[list[Span]], n_rows: int, microbatches: int, stages_per_row: int = 1, schedule: str = "1f1b") -> dict:
     """Mean measured bubble over the recorded flushes, beside the ideal."""
     measured = [b for b in (bubble_fraction(f, n_rows) for f in flushes) if b is not None]
     return {
         "pipeline_bubble_measured": sum(measured) / len(measured) if measured else None,
-        "pipeline_bubble_ideal": ideal_bubble(n_rows, microbatches, stages_per_row),
+        "pipeline_bubble_ideal": ideal_bubble(n_rows, microbatches, stages_per_row, schedule),
         "pipeline_flushes_measured": len(measured),
     }
 
 
 def draw(spans: list[Span], row_labels: list[str], path: Path, title: str) -> None:
-    """One row per device/rank; blue = forward, orange = backward, white gaps = bubbles."""
+    """One row per device/rank; blue = forward, orange = backward (input), green = weight gradient, white = bubble."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -82,7 +102,7 @@ def draw(spans: list[Span], row_labels: list[str], path: Path, title: str) -> No
     span_ms = (max(s[5] for s in spans) - t0) * 1e3
     multi_stage = len({s[1] for s in spans}) > len(row_labels)
     fig, ax = plt.subplots(figsize=(12, 0.7 * len(row_labels) + 2.0))
-    colors = {"F": "#4c72b0", "B": "#dd8452"}
+    colors = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
     for row, stage, mb, kind, a, b in spans:
         left, width = (a - t0) * 1e3, (b - a) * 1e3
         ax.barh(row, width, left=left, height=0.8, color=colors[kind], edgecolor="black", linewidth=0.4)
@@ -96,19 +116,27 @@ def draw(spans: list[Span], row_labels: list[str], path: Path, title: str) -> No
     handles = [
         Patch(color=colors["F"], label="forward of micro-batch i (Fi)"),
         Patch(color=colors["B"], label="backward (Bi)"),
+        *([Patch(color=colors["W"], label="weight gradient, zero bubble (Wi)")] if any(s[3] == "W" for s in spans) else []),
         Patch(facecolor="white", edgecolor="black", label="white: bubble (idle)"),
     ]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3, fontsize=8, frameon=False)
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=len(handles), fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def write_report(
-    flushes: list[list[Span]], row_labels: list[str], microbatches: int, stages_per_row: int, out: Path, title: str, say
+    flushes: list[list[Span]],
+    row_labels: list[str],
+    microbatches: int,
+    stages_per_row: int,
+    out: Path,
+    title: str,
+    say,
+    schedule: str = "1f1b",
 ) -> dict:
     """Draw the last measured flush to out/pipeline_timeline.png; return the bubble figures for summary.json."""
-    result = summarize(flushes, len(row_labels), microbatches, stages_per_row)
+    result = summarize(flushes, len(row_labels), microbatches, stages_per_row, schedule)
     if flushes:
         path = out / "pipeline_timeline.png"
         measured = result["pipeline_bubble_measured"]
@@ -119,9 +147,8 @@ def write_report(
             f"{title}\nbubble measured {measured:.0%} (mean of {len(flushes)} flushes), ideal {result['pipeline_bubble_ideal']:.0%}",
         )
         result["pipeline_timeline"] = path.name
-        formula = "(S-1)/(M+S-1)" if stages_per_row == 1 else f"(S-1)/(V*M+S-1), V={stages_per_row},"
         say(
-            f"[parallel_train] pipeline bubble: measured {measured:.1%}, ideal {formula} = {result['pipeline_bubble_ideal']:.1%} "
-            f"(S={len(row_labels)}, M={microbatches}); schedule picture: {path}"
+            f"[parallel_train] pipeline bubble: measured {measured:.1%}, ideal {ideal_formula(stages_per_row, schedule)} = "
+            f"{result['pipeline_bubble_ideal']:.1%} (S={len(row_labels)}, M={microbatches}); schedule picture: {path}"
         )
     return result

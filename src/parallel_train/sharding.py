@@ -1,0 +1,109 @@
+"""Cut a model over the device mesh: tensor parallel by the model's own plan, then FSDP2, with torch's own APIs.
+
+`parallelize` is the one place that decides what each rank holds; the mesh engine, the multi-process pipeline
+(on each stage) and scripts/estimate_memory.py (on a model on the meta device) all call it, so the memory
+estimate counts exactly the parameters a real run holds.
+
+1. Tensor parallel (`parallel.tp`): `parallelize_module(model, mesh["tp"], model.tensor_parallel_plan(tp))`.
+   The plan belongs to the model (models/gpt.py keeps it next to the layers it cuts, as torchtitan does;
+   models/hf.py translates transformers' own plan for the architecture, hf_tensor_parallel.py); parts
+   a pipeline stage does not hold are skipped.
+2. FSDP2 (`parallel.dp_shard`, with dp_replicate: HSDP): `fully_shard` on every unit the model names
+   (`fsdp_units`: GPT's blocks, a Hugging Face model's decoder layers; one FSDP unit each: only one block's whole
+   weights exist at a time), then on the model itself for the rest (embeddings, final norm, head). Over a TP model this shards the TP slices further (2-D DTensors).
+Parameter names never change, so checkpoints stay those of the unsplit model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel_train.errors import UserError
+from parallel_train.mesh import MeshLayout, data_parallel_mesh
+from parallel_train.pipeline.split import CONTAINERS
+
+
+def tensor_parallel_plan(model: nn.Module, tp: int) -> dict:
+    """The model's plan, restricted to the parts this module holds (a pipeline stage holds a few)."""
+    make_plan = getattr(model, "tensor_parallel_plan", None)
+    if make_plan is None:
+        raise UserError(
+            f"parallel.tp={tp}: {type(model).__name__} has no tensor-parallel plan; give its class a method "
+            "`tensor_parallel_plan(self, tp)` returning {module name: ColwiseParallel() / RowwiseParallel() / ...} "
+            "(see GPT.tensor_parallel_plan in models/gpt.py and docs/parallelism.md), or use parallel.dp_shard instead"
+        )
+    plan = make_plan(tp)
+    return {name: style for name, style in plan.items() if _holds(model, name)}
+
+
+def _holds(model: nn.Module, name: str) -> bool:
+    try:
+        return model.get_submodule(name) is not None
+    except AttributeError:  # a part set to None by the pipeline splitter, or a block another stage holds
+        return False
+
+
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The modules `fully_shard` wraps one by one, before the root. The model names them, as for accelerate:
+    `decoder_layers()` (model.name=hf: its decoder layers, wherever they sit), else every instance of the classes
+    in `_no_split_modules` (GPT: "Block"); a model naming neither gets one unit per block of each of its rows of
+    blocks (ModuleDict / ModuleList / Sequential children). A pipeline stage's view lists only the units it holds."""
+    if hasattr(model, "decoder_layers"):
+        return list(model.decoder_layers())
+    classes = set(getattr(model, "_no_split_modules", None) or ())
+    if classes:
+        return [m for m in model.modules() if m is not model and type(m).__name__ in classes]
+    return [block for child in model.children() if isinstance(child, CONTAINERS) for block in child.children()]
+
+
+def parallelize(model: nn.Module, mesh, layout: MeshLayout, reshard_after_forward: bool = True) -> nn.Module:
+    """Tensor parallel, then FSDP2, in place. `mesh` is mesh.build_device_mesh's (all four axes)."""
+    if layout.tp > 1:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        parallelize_module(model, mesh["tp"], tensor_parallel_plan(model, layout.tp))
+    if layout.dp > 1 and layout.sharded:
+        from torch.distributed.fsdp import fully_shard
+
+        dp_mesh = data_parallel_mesh(mesh, layout)
+        for block in fsdp_units(model):
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def retarget_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], model: nn.Module) -> None:
+    """parallelize() replaced the parameters by sharded ones (DTensors): point the optimizer's groups at those,
+    by name, in place (the learning-rate schedule holds this optimizer). `names`: id(old parameter) -> name."""
+    current = dict(model.named_parameters())
+    for group in optimizer.param_groups:
+        group["params"] = [current[names[id(q)]] for q in group["params"] if names.get(id(q)) in current]
+
+
+def local_numel(module: nn.Module) -> int:
+    """Parameter elements this rank holds (its slices of sharded parameters, the whole of the others)."""
+    return sum(q.to_local().numel() if hasattr(q, "to_local") else q.numel() for q in module.parameters())
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, pp_group=None) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ over the whole model, for parameters that may be DTensors on different
+    meshes (torch's own needs one mesh), next to plain ones (a Hugging Face plan leaves the norms whole), and split
+    over pipeline stages: squared norms of each mesh's parameters (a DTensor norm, all-reduced by DTensor), of plain
+    ones, then summed over the stages; each group is then scaled by the one total."""
+    with_grads = [q for q in params if q.grad is not None]
+    groups: dict[object, list[torch.Tensor]] = {}  # mesh (None: plain tensors) -> its parameters
+    for q in with_grads:
+        groups.setdefault(getattr(q.grad, "device_mesh", None), []).append(q)
+    device = with_grads[0].device if with_grads else torch.device("cpu")
+    sq = torch.zeros((), device=device, dtype=torch.float32)
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm([q.grad for q in group], 2.0)
+        sq += (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).float().pow(2)
+    if pp_group is not None:
+        dist.all_reduce(sq, group=pp_group)
+    total = sq.sqrt()
+    for group in groups.values():  # one mesh at a time: torch's foreach ops refuse DTensors mixed with plain tensors
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total

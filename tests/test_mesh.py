@@ -1,0 +1,399 @@
+"""N-D parallelism on a device mesh: FSDP2, HSDP, tensor parallel and pipelines, on gloo, against one process.
+
+Every run sees the same global batch of 8 as the reference (one process, batch 4 x 2 accumulation steps), so
+its per-step losses, its evaluation and its final weights must equal the reference's to float tolerance.
+Measured on this machine (fp32, SGD, 6 steps): losses within 2e-7 relative, weights within 1.2e-7 absolute
+on tensors of size about 1 (the sums of tensor-parallel and sharded reductions run in another order);
+asserted at 1e-5 relative. SGD, as in the pipeline tests: Adam would blow float noise in the attention key
+bias (whose gradient is zero in exact arithmetic) up into full-size steps. Checkpoints cross topologies on the
+way (tensor parallel -> FSDP x TP); the estimator's parameter count per rank equals what each run reports.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from helpers import PYTHON, TINY, accelerate_cmd, check, launch_env, run, summary, torchrun_cmd, train_cmd, train_losses
+from parallel_train.config import Config, load_config
+from parallel_train.errors import UserError
+from parallel_train.mesh import MeshLayout, resolve_layout
+from parallel_train.models import build_model
+from parallel_train.models.gpt import GPT, GPTConfig
+from parallel_train.models.mlp import MLPConfig
+from parallel_train.sharding import tensor_parallel_plan
+
+# Global batch 8: batch 4 x 2 micro-steps per data-parallel rank, or batch 2 x 2 micro-steps on 2 of them.
+SGD = (*TINY, "train.gradient_accumulation_steps=2", "train.optimizer=sgd", "train.learning_rate=1.0", "eval.batch_size=4")
+HALF = ("train.batch_size=2",)  # two data-parallel ranks
+LAUNCHES = {  # name -> (processes or accelerate config, overrides)
+    "ref": (1, ()),
+    "tp2": (2, ("parallel.tp=2",)),
+    "fsdp2": (2, (*HALF, "parallel.dp_shard=2")),
+    "fsdp2_tp2": (4, (*HALF, "parallel.dp_shard=2", "parallel.tp=2", "resume={tp2}/checkpoints/step_0000003")),
+    "fsdp_yaml": ("fsdp", (*HALF, "train.mixed_precision=no")),
+    "tp2_pp2": (4, ("parallel.tp=2", "parallel.pipeline_stages=2", "parallel.microbatches=2", "parallel.schedule=1f1b")),
+    "zbv": (2, ("parallel.pipeline_stages=2", "parallel.microbatches=4", "parallel.schedule=zbv")),
+    # slow ones
+    "hsdp": (4, ("train.batch_size=1", "parallel.dp_replicate=2", "parallel.dp_shard=2")),
+    "interleavedzb": (2, ("parallel.pipeline_stages=2", "parallel.microbatches=4", "parallel.schedule=interleavedzb")),
+    "dualpipev": (2, ("parallel.pipeline_stages=2", "parallel.microbatches=4", "parallel.schedule=dualpipev")),
+    "fsdp2_pp2": (4, (*HALF, "parallel.dp_shard=2", "parallel.pipeline_stages=2", "parallel.microbatches=2")),
+    "fsdp_tp_yaml": ("fsdp_tp", (*HALF, "train.mixed_precision=no")),
+}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """launched(name) -> the run's output_dir and log; each launch runs once per module, when first asked for."""
+    tmp = tmp_path_factory.mktemp("mesh")
+    done: dict[str, tuple[Path, str]] = {}
+
+    def launch(name: str) -> tuple[Path, str]:
+        if name not in done:
+            how, overrides = LAUNCHES[name]
+            for other in LAUNCHES:  # a launch that resumes another's checkpoint needs that one first
+                if any(f"{{{other}}}" in o for o in overrides):
+                    launch(other)
+            out = tmp / name
+            args = (*SGD, *(o.format(**{k: v[0] for k, v in done.items()}) for o in overrides), f"output_dir={out}")
+            if how == 1:
+                cmd = train_cmd(*args)
+            elif isinstance(how, int):
+                cmd = torchrun_cmd(how, *args)
+            else:  # an accelerate config: 2 processes, its parallelism_config cut to fit (4 x 2 would need 8)
+                flags = ("--num_processes", "2") if how == "fsdp" else ("--num_processes", "4", "--parallelism_config_dp_shard_size", "2")
+                cmd = accelerate_cmd(how, *args, launch_args=flags)
+            done[name] = (out, check(run(cmd, env=launch_env(tmp), timeout=600)).output)
+        return done[name]
+
+    return launch
+
+
+def assert_same_training(run_dir: Path, ref_dir: Path, steps=range(1, 7)) -> None:
+    got, want = train_losses(run_dir), train_losses(ref_dir)
+    for step in steps:
+        assert got[step] == pytest.approx(want[step], rel=1e-5), (step, got, want)
+    s, r = summary(run_dir), summary(ref_dir)
+    assert s["final_val_loss"] == pytest.approx(r["final_val_loss"], rel=1e-5)
+    assert s["final_val_metrics"]["val_accuracy"] == pytest.approx(r["final_val_metrics"]["val_accuracy"], abs=1e-9)
+    w, ref = load_file(str(run_dir / "model.safetensors")), load_file(str(ref_dir / "model.safetensors"))
+    assert w.keys() == ref.keys()
+    for k in ref:
+        torch.testing.assert_close(w[k], ref[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def total_params() -> int:
+    return sum(q.numel() for q in build_model(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16), 65).parameters())
+
+
+# ---------------------------------------------------------------- real runs against one process
+
+
+@pytest.mark.multiprocess
+def test_tensor_parallel_on_2_ranks_equals_one_process(launched):
+    out, log = launched("tp2")
+    assert "engine: device mesh (tensor parallel, plain torch): mesh tp 2; rank 0 holds" in log
+    assert_same_training(out, launched("ref")[0])
+    s = summary(out)
+    assert s["mesh"] == {"dp_replicate": 1, "dp_shard": 1, "pp": 1, "tp": 2}
+    assert total_params() / 2 < s["local_param_numel"] < 0.52 * total_params()  # the vocabulary (65) splits 33 + 32
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_on_2_ranks_with_accumulation_equals_one_process(launched):
+    out, log = launched("fsdp2")
+    assert "engine: device mesh (FSDP2, plain torch): mesh dp_shard 2" in log and "global batch 2 x 2 data-parallel ranks x 2" in log
+    assert_same_training(out, launched("ref")[0])
+    assert summary(out)["mesh"]["dp_shard"] == 2 and summary(out)["local_param_numel"] < 0.51 * total_params()
+    assert shard_writers(out / "checkpoints" / "step_0000003") == {0, 1}  # each rank wrote its own shards
+
+
+def shard_writers(folder: Path) -> set[int]:
+    """The ranks that wrote a checkpoint's tensor files (its manifest records the writer of each)."""
+    files = json.loads((folder / "manifest.json").read_text())["files"]
+    return {meta["rank"] for name, meta in files.items() if name.startswith("shards/")}
+
+
+@pytest.mark.multiprocess
+def test_fsdp_x_tp_on_4_ranks_continues_a_tensor_parallel_checkpoint(launched):
+    """2-D DTensors (FSDP over TP), loaded from the tp=2 run's checkpoint (each tp rank's shards, canonical names)."""
+    out, log = launched("fsdp2_tp2")
+    assert shard_writers(launched("tp2")[0] / "checkpoints" / "step_0000003") == {0, 1}
+    assert "mesh dp_shard 2 x tp 2; rank 0 holds" in log and "resumed from" in log
+    assert_same_training(out, launched("ref")[0], steps=range(4, 7))
+    assert summary(out)["local_param_numel"] < 0.26 * total_params()
+
+
+@pytest.mark.multiprocess
+def test_fsdp_yaml_shards_on_cpu(launched):
+    """accelerate never shards on CPU; the template does (FSDP2 with plain torch), and says so in the banner."""
+    out, log = launched("fsdp_yaml")
+    assert "engine: device mesh (FSDP2, plain torch): mesh dp_shard 2" in log and "falls back to plain DDP" not in log
+    assert summary(out)["distributed_type"] == "MULTI_CPU" and summary(out)["mesh"]["dp_shard"] == 2
+    assert_same_training(out, launched("ref")[0])
+
+
+@pytest.mark.multiprocess
+def test_tensor_parallel_x_pipeline_on_4_ranks(launched):
+    out, log = launched("tp2_pp2")
+    assert "schedule 1f1b, 2 micro-batches, 1 data-parallel replica; mesh pp 2 x tp 2" in log
+    assert_same_training(out, launched("ref")[0])
+    assert summary(out)["pipeline_bubble_ideal"] == pytest.approx(1 / 3)
+
+
+@pytest.mark.multiprocess
+def test_zero_bubble_zbv_equals_one_process(launched):
+    """ZB-V: 4 stages V-placed on 2 ranks (rank 0 holds the first and the last), backward split into B and W."""
+    out, log = launched("zbv")
+    assert "2 stage ranks x 2 V-shaped stages each, schedule zbv" in log and "stage 3 on rank 0" in log
+    assert_same_training(out, launched("ref")[0])
+    assert summary(out)["pipeline_bubble_ideal"] == 0.0 and (out / "pipeline_timeline.png").stat().st_size > 1000
+
+
+@pytest.mark.multiprocess
+def test_estimator_counts_what_each_run_holds(launched):
+    """scripts/estimate_memory.py's parameters per rank (meta model, fake process group, the same parallelize())
+    equal local_param_numel of the real runs, for every layout launched above."""
+    from parallel_train.data_sources import load_data
+    from parallel_train.memory_estimate import estimate
+
+    for name in ("tp2", "fsdp2", "fsdp2_tp2", "tp2_pp2", "zbv"):
+        out, _ = launched(name)
+        world = summary(out)["world_size"]
+        cfg, _ = load_config(["--config", str(out / "config.yaml")])
+        data = load_data(cfg)
+        _, ranks = estimate(cfg, world, data.vocab_size, data.train_set[0])
+        assert ranks[0].param_numel == summary(out)["local_param_numel"], name
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["hsdp", "interleavedzb", "dualpipev", "fsdp2_pp2", "fsdp_tp_yaml"])
+def test_more_meshes_equal_one_process(launched, name):
+    out, log = launched(name)
+    assert_same_training(out, launched("ref")[0])
+    if name == "hsdp":
+        assert "engine: device mesh (HSDP, plain torch): mesh dp_replicate 2 x dp_shard 2" in log
+    if name == "fsdp_tp_yaml":  # the parallelism_config block of the launch config, read with accelerate's ParallelismConfig
+        assert summary(out)["mesh"] == {"dp_replicate": 1, "dp_shard": 2, "pp": 1, "tp": 2}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_tp_x_pipeline_checkpoint_continues_as_one_process(launched, tmp_path):
+    ref = launched("ref")[0]
+    out = tmp_path / "plain"
+    check(
+        run(
+            train_cmd(*SGD, f"resume={launched('tp2_pp2')[0] / 'checkpoints' / 'step_0000003'}", f"output_dir={out}"),
+            env=launch_env(tmp_path),
+        )
+    )
+    assert_same_training(out, ref, steps=range(4, 7))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("nproc", "overrides", "message"),
+    [
+        (3, (*TINY, "parallel.tp=3"), "error: parallel.tp=3 does not divide model.n_head=2: each rank holds whole heads"),
+        (
+            2,
+            ("--config", "configs/seed_mlp.yaml", "train.max_steps=2", "parallel.tp=2"),
+            "error: parallel.tp=2: SeedMLP has no tensor-parallel plan",
+        ),
+        (
+            2,
+            (*TINY, "parallel.tp=2", "parallel.stage_devices=[cpu,cpu]", "parallel.pipeline_stages=2"),
+            "error: parallel.stage_devices (all stages",
+        ),
+    ],
+)
+def test_bad_mesh_launches_are_one_line_errors(tmp_path, nproc, overrides, message):
+    r = run(torchrun_cmd(nproc, *overrides, f"output_dir={tmp_path / 'bad'}"), env=launch_env(tmp_path), timeout=300)
+    assert r.returncode != 0 and message in r.stderr, r.output[-3000:]
+    assert len([line for line in r.stderr.splitlines() if line.startswith("error:")]) == 1
+    assert not (tmp_path / "bad" / "config.yaml").exists()
+
+
+# ---------------------------------------------------------------- checkpoints from before the q/k/v split
+
+
+def fuse_qkv(tensors: dict) -> dict:
+    """`attn.q`, `attn.k`, `attn.v` keys (and their optimizer entries) as one `attn.qkv`, as before the split."""
+    out = {}
+    for key, value in tensors.items():
+        if ".attn.q." in key:
+            parts = [tensors[key.replace(".attn.q.", f".attn.{n}.")] for n in "qkv"]
+            out[key.replace(".attn.q.", ".attn.qkv.")] = torch.cat(parts) if value.dim() else value
+        elif ".attn.k." not in key and ".attn.v." not in key:
+            out[key] = value
+    return out
+
+
+def fuse_meta(meta: dict) -> dict:
+    for group in meta["param_groups"]:
+        group["params"] = [n.replace(".attn.q.", ".attn.qkv.") for n in group["params"] if ".attn.k." not in n and ".attn.v." not in n]
+    return meta
+
+
+def to_fused_qkv(folder: Path) -> None:
+    """Rewrite a checkpoint the way the template wrote it before GPT's q, k, v were separate: whole tensors
+    (the format before sharded saves, tests/test_checkpoints.py) with one `attn.qkv`."""
+    from parallel_train.checkpoint_manifest import MANIFEST, sha256
+    from test_checkpoints import to_earlier_format
+
+    to_earlier_format(folder)
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        save_file(fuse_qkv(load_file(str(folder / name))), str(folder / name))
+    (folder / "optimizer.json").write_text(json.dumps(fuse_meta(json.loads((folder / "optimizer.json").read_text()))))
+    files = {p.name: {"size": p.stat().st_size, "sha256": sha256(p)} for p in sorted(folder.iterdir()) if p.name != MANIFEST}
+    (folder / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
+
+
+def test_an_old_fused_qkv_checkpoint_resumes_exactly(launched, tmp_path):
+    """A checkpoint with one `blocks.N.attn.qkv` (as written before the split) continues bit-identically."""
+    ref = launched("ref")[0]
+    step3 = tmp_path / "step_0000003"
+    shutil.copytree(ref / "checkpoints" / "step_0000003", step3)
+    to_fused_qkv(step3)
+    assert "blocks.0.attn.qkv.weight" in load_file(str(step3 / "model.safetensors"))
+    out = tmp_path / "old"
+    check(run(train_cmd(*SGD, f"resume={step3}", f"output_dir={out}"), env=launch_env(tmp_path)))
+    assert {s: v for s, v in train_losses(ref).items() if s > 3} == train_losses(out)
+    a, b = load_file(str(ref / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_old_fused_qkv_optimizer_state_is_cut_by_name(tmp_path):
+    """AdamW's moments and step of a fused `attn.qkv` in a checkpoint of the earlier format land on q, k, v
+    (checkpoint.load_rank_state, through GPT.upgrade_state_dict)."""
+    from parallel_train import checkpoint
+    from parallel_train.engine import RankState
+    from parallel_train.named_state import MODEL, OPTIMIZER, rank_tensors
+
+    torch.manual_seed(0)
+    model = build_model(GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=4), 11)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randint(0, 11, (2, 4))).sum().backward()
+    opt.step()
+    tensors, meta = rank_tensors(RankState(model.state_dict(), model, opt))
+    for prefix, name in ((MODEL, "model.safetensors"), (OPTIMIZER, "optimizer.safetensors")):
+        part = {k[len(prefix) :]: v.contiguous() for k, v in tensors.items() if k.startswith(prefix)}
+        save_file(fuse_qkv(part), str(tmp_path / name))
+    assert "blocks.0.attn.qkv.weight/exp_avg" in load_file(str(tmp_path / "optimizer.safetensors"))
+    (tmp_path / "optimizer.json").write_text(json.dumps(fuse_meta(meta)))
+    torch.manual_seed(1)
+    fresh_model = build_model(GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=4), 11)
+    fresh = torch.optim.AdamW(fresh_model.parameters(), lr=0.1)
+    checkpoint.load_rank_state(tmp_path, RankState(fresh_model.state_dict(), fresh_model, fresh))
+    named = dict(fresh_model.named_parameters())
+    for name, q in model.named_parameters():
+        assert torch.equal(named[name], q), name
+        for k, v in opt.state[q].items():
+            assert torch.equal(fresh.state[named[name]][k], v), (name, k)
+
+
+# ---------------------------------------------------------------- the model: q, k, v and its tensor-parallel plan
+
+
+def test_q_k_v_start_from_the_numbers_of_the_former_fused_layer():
+    """The same seed gives the same initial weights as the fused qkv layer did (the default job keeps its loss
+    curve): numbers recorded from the template before the split (d1d89bc), GPT 2 x 24 wide, seed 1337."""
+    torch.manual_seed(1337)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=24, block_size=16), 65)
+    attn = model.blocks["1"].attn
+    fused = torch.cat([attn.q.weight, attn.k.weight, attn.v.weight]).detach()
+    torch.testing.assert_close(fused[24, :3], torch.tensor([0.01644321, -0.01192524, -0.01940129]), rtol=0, atol=1e-8)
+    torch.testing.assert_close(fused[48, :3], torch.tensor([0.00679797, -0.00276506, -0.01596236]), rtol=0, atol=1e-8)
+    assert fused.sum().item() == pytest.approx(-0.503107, abs=1e-5)
+    assert torch.rand(1).item() == pytest.approx(0.76515228, abs=1e-8)  # and the generator is where it was after
+    old = GPT.upgrade_state_dict({"blocks.1.attn.qkv.weight": fused, "blocks.1.attn.qkv.weight/step": torch.tensor(3.0)})
+    assert torch.equal(old["blocks.1.attn.k.weight"], attn.k.weight) and old["blocks.1.attn.v.weight/step"].item() == 3.0
+
+
+def test_tensor_parallel_plan_errors_are_one_line():
+    model = build_model(GPTConfig(n_layer=1, n_head=4, n_embd=32, block_size=8), 11)
+    with pytest.raises(UserError, match=r"parallel.tp=3 does not divide model.n_head=4") as e:
+        tensor_parallel_plan(model, 3)
+    assert "\n" not in str(e.value)
+    assert set(tensor_parallel_plan(model, 2)) >= {"blocks.0.attn.q", "blocks.0.mlp.proj", "head", "tok_emb"}
+    with pytest.raises(UserError, match=r"SeedMLP has no tensor-parallel plan; give its class a method `tensor_parallel_plan") as e:
+        tensor_parallel_plan(build_model(MLPConfig(name="mlp"), 0), 2)
+    assert "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------- the mesh from keys, launch config and world size
+
+
+def layout_of(world: int, *overrides: str, **env: str) -> MeshLayout:
+    cfg = Config()
+    for o in overrides:
+        key, value = o.split("=")
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, int(value))
+    return resolve_layout(cfg, world, env=env)
+
+
+def test_mesh_layout_from_keys_launch_config_and_world():
+    assert layout_of(4) == MeshLayout(dp_replicate=4)  # every key 1: DDP replicas fill the world
+    assert layout_of(4, "parallel.pipeline_stages=2") == MeshLayout(dp_replicate=2, pp=2)
+    assert layout_of(8, "parallel.dp_shard=2", "parallel.tp=2", "parallel.dp_replicate=2").dp == 4
+    assert layout_of(4, ACCELERATE_USE_FSDP="true") == MeshLayout(dp_shard=4)  # fsdp.yaml shards over everything
+    assert layout_of(4, "parallel.tp=2", ACCELERATE_USE_FSDP="true") == MeshLayout(dp_shard=2, tp=2)
+    launch = {"PARALLELISM_CONFIG_DP_SHARD_SIZE": "2", "PARALLELISM_CONFIG_TP_SIZE": "2", "ACCELERATE_USE_FSDP": "true"}
+    assert layout_of(4, **launch) == MeshLayout(dp_shard=2, tp=2)  # fsdp_tp.yaml's parallelism_config block
+    # rank = ((replicate * shard + shard_index) * pp + pp_index) * tp + tp_index: tensor-parallel ranks are neighbours
+    mesh = MeshLayout(dp_replicate=2, dp_shard=2, pp=2, tp=2)
+    assert mesh.coordinate(13) == {"dp_replicate": 1, "dp_shard": 1, "pp": 0, "tp": 1} and mesh.dp_rank(13) == 3
+
+
+@pytest.mark.parametrize(
+    ("world", "overrides", "env", "message"),
+    [
+        (4, ("parallel.tp=2",), {}, r"= 1 x 1 x 1 x 2 = 2 \(parallel.\* keys and the launch config\), but 4 processes were launched"),
+        (1, ("parallel.dp_shard=2",), {}, "= 1 x 2 x 1 x 1 = 2 .*, but 1 process was launched"),
+        (2, ("parallel.dp_shard=2",), {"ACCELERATE_USE_DEEPSPEED": "true"}, "under DeepSpeed: ZeRO shards the model its own way"),
+        (
+            4,
+            ("parallel.tp=4",),
+            {"PARALLELISM_CONFIG_TP_SIZE": "2"},
+            "parallel.tp=4 but the launch config's parallelism_config says tp_size=2",
+        ),
+        (
+            4,
+            (),
+            {"PARALLELISM_CONFIG_CP_SIZE": "2", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2"},
+            "context and sequence parallelism are not part",
+        ),
+        (3, ("parallel.pipeline_stages=2",), {}, "parallel.pipeline_stages=2 does not divide the world size 3"),
+    ],
+)
+def test_bad_meshes_are_one_line_errors(world, overrides, env, message):
+    with pytest.raises(UserError, match=message) as e:
+        layout_of(world, *overrides, **env)
+    assert "\n" not in str(e.value)
+
+
+def test_estimate_memory_script(tmp_path):
+    """The estimator's table and verdict, and its one-line errors."""
+    script = [PYTHON, "scripts/estimate_memory.py"]
+    r = check(run([*script, "--world", "2", "--device", "h100", *TINY[:4], "parallel.tp=2"], env=launch_env(tmp_path), timeout=120))
+    assert "mesh tp 2 (2 processes)" in r.stdout and "h100 (80 GiB, 72.0 usable at 90%): fits" in r.stdout
+    assert "| 0 | 0 | 15,328 (50.8%) |" in r.stdout  # what test_tensor_parallel_on_2_ranks reports for this model
+    bad = run([*script, "--world", "3", *TINY[:4], "parallel.tp=2"], env=launch_env(tmp_path), timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: the mesh") and bad.stderr.count("\n") == 1
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("estimate_memory", "scripts/estimate_memory.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    with pytest.raises(UserError, match="--device tpu9: unknown; known: h100"):
+        cli.parse(["--world", "2", "--device", "tpu9"])
