@@ -336,6 +336,7 @@ def test_llama_in_two_pipeline_stages_equals_the_unsplit_model(folders, referenc
     assert_same_training(out, reference / "ref")
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_is_bit_identical(folders, reference):
     """Killed after step 4 (checkpoint at 3): the resumed run ends with the uninterrupted run's bytes, and so does
     its export."""
@@ -393,6 +394,7 @@ def assert_same_as_mesh_reference(out, ref):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_llama_fsdp2_on_2_ranks_shards_each_decoder_layer_and_equals_one_process(mesh_runs):
     out, log = mesh_runs("fsdp2")
     assert "device mesh (FSDP2" in log and (out / "hf" / "config.json").exists()

@@ -140,6 +140,7 @@ def test_fsdp_yaml_shards_on_cpu(launched):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_tensor_parallel_x_pipeline_on_4_ranks(launched):
     out, log = launched("tp2_pp2")
     assert "schedule 1f1b, 2 micro-batches, 1 data-parallel replica; mesh pp 2 x tp 2" in log
@@ -382,6 +383,7 @@ def test_bad_meshes_are_one_line_errors(world, overrides, env, message):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_estimate_memory_script(tmp_path):
     """The estimator's table and verdict, and its one-line errors."""
     script = [PYTHON, "scripts/estimate_memory.py"]

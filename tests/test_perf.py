@@ -153,6 +153,7 @@ def test_compile_switch_trains_like_eager(tmp_path):
     assert not any("_orig_mod" in k for k in load_file(str(tmp_path / "true" / "model.safetensors")))  # canonical names
 
 
+@pytest.mark.slow
 def test_benchmark_cli_and_bare_loop_match_train_py(tmp_path):
     """`benchmark.py --help`, then a micro run: the bare loop and train.py see the same batches."""
     r = check(run([PYTHON, "scripts/benchmark.py", "--help"], timeout=60))
@@ -175,6 +176,7 @@ def test_benchmark_cli_and_bare_loop_match_train_py(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_gpu_bench_dry_run_end_to_end(tmp_path):
     """scripts/gpu_bench.sh --dry-run on CPU: environment check, 1 and 2 processes, bf16 and fp32, the table."""
     out = tmp_path / "gpu_bench"

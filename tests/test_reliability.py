@@ -111,6 +111,7 @@ def test_two_processes_sigkill_resume_and_resume_on_one_process(ref2, tmp_path):
         assert torch.allclose(a[name], b[name], atol=5e-3), name
 
 
+@pytest.mark.slow
 def test_elastic_torchrun_restarts_and_matches_uninterrupted(ref2, tmp_path):
     marker = tmp_path / "fired"
     result = check(
@@ -186,6 +187,7 @@ def test_signal_on_one_rank_stops_all_ranks_at_the_same_step(tmp_path):
     assert json.loads((saved / "trainer_state.json").read_text())["step"] == 4
 
 
+@pytest.mark.slow
 def test_sigterm_to_torchrun_checkpoints_on_all_ranks(tmp_path):
     """A real preemption: SIGTERM to the launcher (as SLURM does) while training; torchrun forwards it to
     the workers, which may be at different steps: they agree on one, save there and exit."""
@@ -272,6 +274,7 @@ def test_non_finite_loss_stops_naming_the_step_and_writes_no_checkpoint(tmp_path
     assert not checkpoint.list_checkpoints(out / "checkpoints") and not (out / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_between_agreements_a_signal_and_a_non_finite_step_are_still_caught(tmp_path):
     """No log or checkpoint step forces an agreement here, so ranks compare notes every guards.AGREE_EVERY (16)
     steps: a signal on one rank stops both at step 16, and a NaN at step 2 is still named as step 2."""

@@ -183,6 +183,7 @@ def test_accelerate_launch_cpu_yaml(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_accelerate_launch_with_the_users_default_config(tmp_path):
     """`accelerate config default` writes $HF_HOME/accelerate/default_config.yaml; `accelerate launch` reads it."""
     env = launch_env(tmp_path, HF_HOME=str(tmp_path / "hf"))
@@ -233,6 +234,7 @@ def test_two_machines_on_one_host_multi_node_yaml(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_torchrun_two_nodes_c10d_rendezvous(tmp_path):
     port, out = free_port(), tmp_path / "out"
     cmds = [

@@ -139,6 +139,7 @@ def test_tensorboard_holds_the_same_metrics_as_metrics_jsonl(tmp_path):
     assert hparams["model.n_layer"] == 2 and hparams["output_dir"] == str(out)
 
 
+@pytest.mark.slow
 def test_tracker_none_writes_nothing_extra(tmp_path):
     out = tmp_path / "run"
     result = check(run(train_cmd(*FEW, "tracker=none", f"output_dir={out}"), env=launch_env(tmp_path)))
@@ -146,6 +147,7 @@ def test_tracker_none_writes_nothing_extra(tmp_path):
     assert "tracker none" in result.output and "wandb" not in result.output
 
 
+@pytest.mark.slow
 def test_wandb_with_a_key_but_no_reachable_server_logs_offline_at_once(tmp_path):
     out, env = tmp_path / "run", no_credentials_env(tmp_path)
     port = free_port()  # nothing listens there: wandb itself would retry for minutes, then fail
