@@ -27,11 +27,8 @@ FORMAT = 2  # 1: whole model.safetensors + optimizer.safetensors (no format key)
 
 
 def sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()  # streams the file in chunks
 
 
 def fsync(path: Path) -> None:

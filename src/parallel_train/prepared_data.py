@@ -51,11 +51,8 @@ def token_dtype(vocab_size: int) -> str:
 
 
 def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()  # streams the file in chunks
 
 
 def is_prepared(path: str) -> bool:
