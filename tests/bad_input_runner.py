@@ -6,7 +6,8 @@ Why not one `python train.py` launch per case: a launch spends most of its few s
 accelerate and datasets, and the catalogue has dozens of cases. Here one process imports them once; every case
 is a child forked from it that runs exactly what train.py runs (`run_cli(main)`), in its own session, with its
 own stdout, stderr and exit code, so a traceback or a wrong exit code shows as it would from a launch.
-CASES.json: a list of [id, [argument, ...]]. RESULTS.json: id -> returncode, stdout, stderr and the snapshot
+CASES.json: a list of [id, [argument, ...]] or [id, [argument, ...], {variable: value}] (set in the child's
+environment, e.g. a RANK leaked from another launch). RESULTS.json: id -> returncode, stdout, stderr and the snapshot
 of WATCHED_DIR (size, mtime, sha256 of every file) after the case, to prove that nothing there changed.
 """
 
@@ -40,10 +41,11 @@ def snapshot(folder: Path) -> dict[str, list]:
     }
 
 
-def child(args: list[str], out: Path, err: Path) -> None:
+def child(args: list[str], out: Path, err: Path, env: dict[str, str]) -> None:
     """In the forked process: train.py's `run_cli(main)`, then leave with its exit code (never return)."""
     code = 1
     try:
+        os.environ.update(env)
         os.setsid()
         os.dup2(os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 1)
         os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
@@ -60,11 +62,11 @@ def child(args: list[str], out: Path, err: Path) -> None:
         os._exit(code)
 
 
-def run_case(args: list[str], tmp: Path) -> dict:
+def run_case(args: list[str], tmp: Path, env: dict[str, str]) -> dict:
     out, err = tmp / "stdout", tmp / "stderr"
     pid = os.fork()
     if pid == 0:
-        child(args, out, err)
+        child(args, out, err, env)
     deadline = time.monotonic() + TIMEOUT_S
     while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
         if time.monotonic() > deadline:
@@ -78,8 +80,8 @@ def run_case(args: list[str], tmp: Path) -> dict:
 def run_all(cases: list, watched: Path) -> dict:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for case_id, args in cases:
-            results[case_id] = {**run_case(args, Path(tmp)), "snapshot": snapshot(watched)}
+        for case_id, args, *env in cases:
+            results[case_id] = {**run_case(args, Path(tmp), env[0] if env else {}), "snapshot": snapshot(watched)}
     return results
 
 

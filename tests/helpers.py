@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -130,6 +131,15 @@ TINY = (
     "checkpoint.interval=3",
     "tracker=none",
 )
+
+
+def snapshot(folder: Path) -> dict[str, tuple[int, int, str]]:
+    """Size, mtime and sha256 of every file under `folder`: equal before and after means nothing was changed."""
+    return {
+        str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def read_metrics(out: Path) -> list[dict]:

@@ -7,7 +7,6 @@ raised after the run was found (resume=auto) are held to the same rule as config
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import PYTHON, TINY, check, launch_env, run, train_cmd
+from helpers import PYTHON, TINY, check, launch_env, run, snapshot, train_cmd
 from parallel_train import checkpoint
 from parallel_train.prepare import Options, prepare
 
@@ -69,15 +68,7 @@ def env(tmp_path_factory):
     return {"tmp": tmp, "run": run_dir, "files": f}
 
 
-def snapshot(folder: Path) -> dict[str, tuple[int, int, str]]:
-    return {
-        str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
-        for p in sorted(folder.rglob("*"))
-        if p.is_file()
-    }
-
-
-# (id, arguments; {run} {files} are filled in, what the error line must contain)
+# (id, arguments; {run} {files} are filled in, what the error line must contain[, environment of the case])
 CASES = [
     ("unknown_key", ["model.n_layers=2"], "unknown config key 'model.n_layers'"),
     (
@@ -121,6 +112,16 @@ CASES = [
     ("resume_not_a_checkpoint", ["resume={files}/not_a_checkpoint"], "is not a valid checkpoint (no manifest.json"),
     ("resume_none_over_a_run", ["resume=none"], "already holds a run"),
     ("resume_other_model", ["model.n_embd=64"], "does not fit this model"),
+    # An environment left over from another launch, with no launcher (launch_env.py): the four cases of issue 21.
+    ("leaked_rank", ["model.n_layers=2"], "the environment says RANK=1, but WORLD_SIZE is not above 1", {"RANK": "1"}),
+    (
+        "leaked_world_size",
+        [],
+        "WORLD_SIZE=2 (a process of a distributed launch), but RANK, MASTER_ADDR, MASTER_PORT are not set",
+        {"WORLD_SIZE": "2"},
+    ),
+    ("leaked_world_size_and_master", [], "but RANK, MASTER_PORT are not set", {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}),
+    ("leaked_local_rank", [], "LOCAL_RANK=0 (a process of a distributed launch), but WORLD_SIZE, RANK", {"LOCAL_RANK": "0"}),
     ("output_dir_is_a_file", ["output_dir={files}/a_file"], "is a file"),
     ("output_dir_not_writable", ["output_dir={files}/a_file/sub"], "is not writable"),
     ("checkpoint_pickle_replaced", ["resume={files}/replaced/step_0000003"], "rank00000-000.safetensors is a pickle; refusing"),
@@ -140,7 +141,7 @@ def results(env):
     """Every case, each in its own process forked from one that imported the template once (bad_input_runner.py)."""
     before = snapshot(env["run"])
     cases = env["tmp"] / "cases.json"
-    cases.write_text(json.dumps([[case_id, fill(args, env)] for case_id, args, _ in CASES]))
+    cases.write_text(json.dumps([[case_id, fill(args, env), *extra] for case_id, args, _, *extra in CASES]))
     out = env["tmp"] / "results.json"
     cmd = [PYTHON, "tests/bad_input_runner.py", str(cases), str(out), str(env["run"])]
     check(run(cmd, env=launch_env(env["tmp"]), timeout=1200))
@@ -154,7 +155,7 @@ def assert_one_line_error(returncode: int, output: str, expected: str) -> None:
     assert len(errors) == 1 and expected in errors[0], output[-3000:]
 
 
-@pytest.mark.parametrize("case_id, expected", [pytest.param(i, e, id=i) for i, _, e in CASES])
+@pytest.mark.parametrize("case_id, expected", [pytest.param(i, e, id=i) for i, _, e, *_ in CASES])
 def test_bad_input(env, results, case_id, expected):
     before, outcome = results
     assert_one_line_error(outcome[case_id]["returncode"], outcome[case_id]["stdout"] + outcome[case_id]["stderr"], expected)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import sys
 
+from parallel_train import faults
 from parallel_train.config import help_text, load_config
 from parallel_train.data_sources import check_source
+from parallel_train.launch_env import check_launch_env
 from parallel_train.messages import quiet_third_party
 
 
@@ -14,9 +16,11 @@ def main(argv: list[str] | None = None) -> int:
     if "-h" in argv or "--help" in argv:
         print(help_text())
         return 0
+    check_launch_env()  # a RANK or WORLD_SIZE left over from another launch: one line, before anything else
     quiet_third_party()
     cfg, config_path = load_config(argv)
     check_source(cfg)  # the data registry: a config file cannot know which sources a clone added
+    faults.user_error(0)  # test-only: one rank's error before the process group exists (a misconfigured node)
     from parallel_train.trainer import run  # not at the top: its imports (accelerate, ...) cost seconds that bad input need not wait
 
     return run(cfg, config_path)

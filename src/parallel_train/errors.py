@@ -1,22 +1,39 @@
 """User-facing errors: one line, exit code 2, no traceback.
 
 Anything a user can fix (a config key, a path, a launch flag) raises `UserError`. `train.py` and the
-scripts catch it at the top and print `error: <message>` once, from the first process only.
+scripts catch it at the top and print `error: <message>`, once per run whichever ranks raised it:
+
+- one process: printed, whatever RANK says;
+- every rank raised the same message (a config error): one rank prints it, as it is;
+- only some ranks raised it (a second node's missing file, a fault on one rank): each of them prints
+  `error: rank R (host H): <message>`, so a misconfigured node never exits silently.
+
+The ranks count each message in the launcher's key-value store (torchrun's and accelerate's agent keeps one for
+the job; with a process group but no agent, torch.distributed's default store) and wait a few seconds for the
+count to reach the world size. Without any store every rank prints with its prefix.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import socket
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 EXIT_USER_ERROR = 2
 EXIT_PEER_FAILURE = 1
+ERROR_WAIT_S = 5.0  # how long a failing rank waits to learn whether every rank failed alike
 
 
 class UserError(Exception):
     """A problem with the user's input. The message names what is wrong and how to fix it."""
+
+
+class NoLauncher(UserError):
+    """The environment claims a distributed launch that no launcher made (launch_env.py): this process is alone."""
 
 
 @dataclass
@@ -65,10 +82,80 @@ def collective_failure_message(error: BaseException) -> str | None:
     )
 
 
+def world_size() -> int:
+    """Processes of this launch, from the launcher's environment (1 without one)."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1") or 1))
+    except ValueError:
+        return 1
+
+
 def is_first_process() -> bool:
-    # Read the launcher's environment, not torch.distributed: errors can happen before the process
-    # group exists, and every rank of a multi-process launch hits the same config error.
+    # Read the launcher's environment, not torch.distributed: messages are printed before the process group
+    # exists too. A run of one process is the first whatever a leaked RANK says (launch_env.py refuses those).
+    if world_size() == 1:
+        return True
     return os.environ.get("RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+# ---------------------------------------------------------------- one line per error, from any rank
+
+
+def error_store():
+    """A key-value store every rank of this launch reaches, or None. The launcher agent's (torchrun, accelerate
+    launch) exists before the process group; otherwise torch.distributed's default store, once the group exists."""
+    if world_size() == 1:
+        return None
+    from datetime import timedelta
+
+    import torch.distributed as dist  # only here: errors.py is imported before anything heavy
+
+    try:
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+            return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=ERROR_WAIT_S))
+        if dist.is_available() and dist.is_initialized():
+            return dist.distributed_c10d._get_default_store()
+    except (KeyError, ValueError, RuntimeError, OSError):  # no store to reach: every failing rank prints its own line
+        return None
+    return None
+
+
+def failed_alike(store, message: str, world: int, wait_s: float = ERROR_WAIT_S) -> tuple[bool, bool]:
+    """Count this rank's `message` in `store` and wait up to `wait_s` for every rank to report the same one.
+    Returns (every rank failed with it, this rank arrived first). The first rank to decide writes the verdict,
+    so every rank reads the same one: a rank that gave up waiting makes every rank print its own line."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # the agent's store outlives a restart
+    key = f"parallel_train/errors/{attempt}/{hashlib.sha256(message.encode()).hexdigest()[:24]}"
+    arrived = store.add(key, 1)
+    deadline = time.monotonic() + wait_s
+    while store.add(key, 0) < world and time.monotonic() < deadline:
+        time.sleep(0.05)
+    mine = b"all" if store.add(key, 0) >= world else b"some"
+    verdict = store.compare_set(key + "/verdict", "", mine)
+    return verdict == b"all", arrived == 1
+
+
+def report_user_error(message: str, alone: bool = False) -> bool:
+    """Print `error: <message>` once for the run (see the module docstring). True when the other ranks failed alike
+    (or there are none): then they exit too; False when this rank failed alone while the others may be waiting in a
+    collective for it."""
+    world = 1 if alone else world_size()
+    store = error_store() if world > 1 else None
+    if world == 1:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        return True
+    try:
+        alike, first = failed_alike(store, message, world) if store is not None else (False, False)
+    except Exception:  # the store went away (its launcher is shutting down): say it here rather than not at all
+        alike, first = False, False
+    if alike:
+        if first:
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        return True
+    rank = os.environ.get("RANK", "?")
+    print(f"error: rank {rank} (host {socket.gethostname()}): {message}", file=sys.stderr, flush=True)
+    return False
 
 
 def run_cli(main: Callable[[], int | None]) -> None:
@@ -76,8 +163,11 @@ def run_cli(main: Callable[[], int | None]) -> None:
     try:
         code = main()
     except UserError as e:
-        if is_first_process():
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        if not report_user_error(str(e), alone=isinstance(e, NoLauncher)):
+            # The other ranks may be waiting for this one in a collective: a normal interpreter exit could wait on
+            # the process group's teardown. The launcher sees exit code 2 and stops them.
+            sys.stdout.flush()
+            os._exit(EXIT_USER_ERROR)
         sys.exit(EXIT_USER_ERROR)
     except KeyboardInterrupt:
         sys.exit(130)

@@ -13,11 +13,17 @@ separated by `;`.
     sigterm@3, sigusr1@3, sigint@3   send this process a real signal after step 3
     nan@3                make the loss of step 3 NaN (through the model output)
     kill_in_prepare@2    SIGKILL scripts/prepare_data.py once its 2nd token shard is in place (no metadata yet)
+    user_error@2         raise a UserError after step 2 (@0: at the start, before the process group exists)
+    enospc@6             writing this rank's tensors of checkpoint 6 fails with ENOSPC (a full disk)
+    stale_listing@6      this rank's listing of checkpoints/ lacks step 6 and newer (a stale NFS directory cache)
+    unreadable@6         this rank cannot read the files of checkpoint 6 (its view of the file system is broken)
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import signal
 import threading
 import time
@@ -26,7 +32,7 @@ from pathlib import Path
 
 ENV = "PARALLEL_TRAIN_FAULT"
 SIGNALS = {"sigterm": signal.SIGTERM, "sigusr1": signal.SIGUSR1, "sigint": signal.SIGINT}
-KINDS = ("kill", "kill_in_save", "kill_in_prepare", "hang", "nan", *SIGNALS)
+KINDS = ("kill", "kill_in_save", "kill_in_prepare", "hang", "nan", "user_error", "enospc", "stale_listing", "unreadable", *SIGNALS)
 
 
 @dataclass
@@ -83,6 +89,7 @@ def after_step(step: int) -> None:
     if _fire("kill", step):
         print(f"[fault] SIGKILL rank {os.environ.get('RANK', '0')} after step {step}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+    user_error(step)
     if _fire("hang", step):
         print(f"[fault] rank {os.environ.get('RANK', '0')} hangs after step {step}", flush=True)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a stuck process: the launcher's SIGTERM ends it
@@ -100,6 +107,32 @@ def in_save(step: int) -> None:
         where = "in the training thread" if threading.current_thread() is threading.main_thread() else "in the background"
         print(f"[fault] SIGKILL while saving checkpoint {step} ({where})", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def user_error(step: int) -> None:
+    """`user_error@K`: after step K (the trainer), or with K = 0 at the start (cli.py, before the process group)."""
+    if FAULTS and _fire("user_error", step):
+        from parallel_train.errors import UserError  # errors.py imports nothing of ours; here only when a fault is set
+
+        raise UserError(f"[fault] a user error on rank {os.environ.get('RANK', '0')} only, at step {step}")
+
+
+def in_shard_write(path: str) -> None:
+    """Called by checkpoint_storage.py before this rank writes a tensor file (`.../.tmp-step_0000006/shards/...`)."""
+    found = re.search(r"step_(\d+)", path) if FAULTS else None
+    if found and _fire("enospc", int(found.group(1))):
+        print(f"[fault] ENOSPC writing {path} on rank {os.environ.get('RANK', '0')}", flush=True)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+
+def hidden(step: int, listing: bool) -> bool:
+    """Whether this rank pretends checkpoint `step` is not there: in its listing (`stale_listing@N`: step N and
+    newer are missing, as in a stale directory cache) or when it reads the files (`unreadable@N`)."""
+    if not FAULTS:
+        return False
+    if listing:
+        return any(f.kind == "stale_listing" and step >= f.step and f.applies("stale_listing", f.step) for f in FAULTS)
+    return _fire("unreadable", step)
 
 
 def in_prepare(shards: int) -> None:

@@ -1,0 +1,64 @@
+"""The launch environment: what RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT claim, checked before
+anything starts.
+
+torchrun and accelerate launch set all of them (and TORCHELASTIC_RUN_ID) for every process they start. A shell
+that kept them from an earlier launch (`export RANK=1`, a job script sourced twice) makes a plain
+`python train.py` a process of a distributed launch that does not exist: accelerate then waits for peers that
+never come (parallel.timeout_s, 30 minutes by default), fails inside torch with a traceback, or trains with
+every message switched off because the process believes it is rank 1. Here such an environment is one line
+that says what it claims and what is missing. A launch by hand with all four variables set (two shells, the
+env:// method) is a real launch: it is let through with one notice that it waits for its peers.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from parallel_train.errors import NoLauncher
+
+CLAIMS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+NEEDED = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")  # what torch's env:// rendezvous reads
+# Launchers that set the variables themselves: torch's elastic agent (torchrun, accelerate launch) and MPI.
+LAUNCHER_MARKS = ("TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def _int(env: dict[str, str], name: str, default: int) -> int:
+    try:
+        return int(env.get(name, default))
+    except ValueError:
+        raise NoLauncher(f"the environment sets {name}={env[name]!r}, which is not a number; unset it or launch with torchrun") from None
+
+
+def check_launch_env(env: dict[str, str] | None = None, notice=None) -> None:
+    """Refuse an environment that claims a distributed launch no launcher made (see the module docstring)."""
+    env = os.environ if env is None else env
+    if any(mark in env for mark in LAUNCHER_MARKS):
+        return
+    claims = ", ".join(f"{k}={env[k]}" for k in CLAIMS if k in env)
+    world, rank = _int(env, "WORLD_SIZE", 1), _int(env, "RANK", 0)
+    fix = "unset them to train in one process, or launch with `torchrun --nproc-per-node N train.py`"
+    if world <= 1 and "LOCAL_RANK" not in env:
+        if rank != 0:
+            raise NoLauncher(
+                f"the environment says {claims}, but WORLD_SIZE is not above 1: a run of one process is rank 0, and no launcher "
+                f"(torchrun, accelerate launch) started this one; {fix}"
+            )
+        return
+    missing = [k for k in NEEDED if k not in env]
+    if missing:
+        raise NoLauncher(
+            f"the environment says {claims} (a process of a distributed launch), but {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not set and no launcher (torchrun, accelerate launch) started this process; {fix}"
+        )
+    if not 0 <= rank < world:
+        raise NoLauncher(f"the environment says {claims}: RANK must be in [0, WORLD_SIZE); {fix}")
+    if world > 1 and rank == 0:
+        (notice or _print)(
+            f"notice: {claims} come from the environment, not from a launcher: this process waits for the other {world - 1} "
+            f"at {env['MASTER_ADDR']}:{env['MASTER_PORT']} for up to parallel.timeout_s"
+        )
+
+
+def _print(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
