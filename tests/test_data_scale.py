@@ -30,6 +30,7 @@ from helpers import (
     train_losses,
 )
 from parallel_train.prepare import Options, prepare
+from parallel_train.streaming_data import position_for, positions_by_dp_rank
 
 pytestmark = pytest.mark.multiprocess
 
@@ -109,10 +110,23 @@ def test_stream_sigkill_then_resume_is_bit_identical(data, tmp_path):
     killed = run(train_cmd(*STREAM, path, f"output_dir={cut}"), env=launch_env(tmp_path, PARALLEL_TRAIN_FAULT="kill@5"))
     assert killed.returncode == -9
     saved = json.loads((cut / "checkpoints" / "step_0000003" / "trainer_state.json").read_text())["data_position"]
-    assert saved["world_size"] == 1 and saved["ranks"][0]["skip"] >= 0
+    assert saved["dp_size"] == 1 and saved["ranks"][0]["skip"] >= 0
     resumed = check(run(train_cmd(*STREAM, path, f"output_dir={cut}"), env=env))
     assert "at step 3" in resumed.output
     assert train_losses(cut) == train_losses(whole) and identical(whole, cut)
+
+
+def test_stream_positions_are_kept_per_data_parallel_rank():
+    """tp=2 x dp=2: the two ranks of a tensor-parallel group read one stream and share its position; resumed as
+    dp_shard=4 (4 data-parallel ranks) the streams are split otherwise: they start again, with a notice. Checkpoints
+    written before positions were keyed by data-parallel rank (`world_size`, one per process) still load."""
+    positions = [(0, {"skip": 10}), (0, {"skip": 10}), (1, {"skip": 20}), (1, {"skip": 20})]  # (dp rank, position) of ranks 0-3
+    saved = positions_by_dp_rank(positions, dp_size=2)
+    assert saved == {"dp_size": 2, "ranks": [{"skip": 10}, {"skip": 20}]}
+    assert position_for(saved, 2, 1) == ({"skip": 20}, None)
+    position, notice = position_for(saved, 4, 3)
+    assert position is None and notice.startswith("notice: the stream positions were saved by 2 data-parallel ranks, this run has 4")
+    assert position_for({"world_size": 2, "ranks": [{"skip": 1}, {"skip": 2}]}, 2, 0) == ({"skip": 1}, None)
 
 
 @pytest.mark.slow

@@ -12,9 +12,10 @@ Validation: the dataset's validation (or test) split, else its last file; the fi
 eval.batch_size windows of it, the same on every rank.
 
 Position: after every batch the stream can say where it is (`state_dict`: the datasets stream's own state
-before the current document, plus the tokens of that document already used). The trainer saves every rank's
-position in each checkpoint, so a resumed run (same number of ranks) continues exactly where the killed one
-stopped. What holds and what does not: docs/data.md#streaming.
+before the current document, plus the tokens of that document already used). The trainer saves every
+data-parallel rank's position in each checkpoint (tensor-parallel and pipeline ranks of one replica read the same
+stream and share it), so a resumed run with the same number of data-parallel ranks continues exactly where the
+killed one stopped. What holds and what does not: docs/data.md#streaming.
 """
 
 from __future__ import annotations
@@ -263,23 +264,33 @@ def load_stream(cfg: Config, saved: Tokenizer | None = None) -> Data:
 # ---------------------------------------------------------------- positions in checkpoints
 
 
-def gather_positions(batches: Any) -> dict[str, Any] | None:
-    """Every rank's stream position, for the checkpoint (None when the data is not a stream). A collective."""
+def gather_positions(batches: Any, dp_size: int, dp_rank: int) -> dict[str, Any] | None:
+    """Every data-parallel rank's stream position, for the checkpoint (None when the data is not a stream). The ranks
+    of one tensor-parallel group or pipeline read the same stream and share its position. A collective."""
     from parallel_train.prepared_data import gather
 
     if not hasattr(batches, "state_dict"):
         return None
-    positions = gather(batches.state_dict())
-    return {"world_size": len(positions), "ranks": positions}
+    return positions_by_dp_rank(gather((dp_rank, batches.state_dict())), dp_size)
 
 
-def position_for(saved: dict[str, Any] | None, world: int, rank: int) -> tuple[dict[str, Any] | None, str | None]:
-    """(this rank's saved stream position, a notice when it cannot continue exactly)."""
+def positions_by_dp_rank(pairs: list[tuple[int, dict[str, Any]]], dp_size: int) -> dict[str, Any]:
+    """{"dp_size", "ranks": the position of data-parallel rank 0, 1, ...} from every process's (dp rank, position)."""
+    by_rank: dict[int, dict[str, Any]] = {}
+    for dp_rank, position in pairs:
+        by_rank.setdefault(dp_rank, position)
+    return {"dp_size": dp_size, "ranks": [by_rank[r] for r in range(dp_size)]}
+
+
+def position_for(saved: dict[str, Any] | None, dp_size: int, dp_rank: int) -> tuple[dict[str, Any] | None, str | None]:
+    """(this data-parallel rank's saved stream position, a notice when it cannot continue exactly). Checkpoints written
+    before positions were keyed by data-parallel rank say `world_size`: their processes were the data-parallel ranks."""
     if not saved:
         return None, None
-    if saved["world_size"] != world:
+    saved_size = saved.get("dp_size", saved.get("world_size"))
+    if saved_size != dp_size:
         return None, (
-            f"notice: the stream positions were saved by {saved['world_size']} processes, this run has {world}: each rank's part of "
-            "the stream differs, so the stream starts again from its beginning"
+            f"notice: the stream positions were saved by {saved_size} data-parallel ranks, this run has {dp_size}: each rank's "
+            "part of the stream differs, so the stream starts again from its beginning"
         )
-    return saved["ranks"][rank], None
+    return saved["ranks"][dp_rank], None

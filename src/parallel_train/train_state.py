@@ -30,7 +30,7 @@ class TrainingState:
     final_val_step: int | None = None  # ... and the step it was measured at
     final_val_metrics: dict[str, float] | None = None  # every val_<metric> of that evaluation
     best_val_loss: float | None = None
-    # A stream's position, every rank's (streaming_data.py: {"world_size", "ranks"}); None for data that needs only the step.
+    # A stream's position, every data-parallel rank's (streaming_data.py: {"dp_size", "ranks"}); None for data that needs only the step.
     data_position: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:

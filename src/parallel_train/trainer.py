@@ -163,8 +163,8 @@ class Trainer:
         self.metrics = MetricsLog(self.out / "metrics.jsonl", accelerator, cfg.tracker)
         self.metrics.truncate_after(self.start_step)
         init_trackers(accelerator, cfg.tracker, cfg.to_dict(), self.out, self.state.run_id)
-        position, notice = position_for(self.state.data_position, accelerator.num_processes, accelerator.process_index)
-        if notice:  # a stream saved by another number of processes
+        position, notice = position_for(self.state.data_position, self.engine.dp_size, self.engine.dp_rank)
+        if notice:  # a stream saved by another number of data-parallel ranks
             say(notice)
         self.loader = train_loader(
             self.data, cfg, self.engine.dp_size, self.engine.dp_rank, self.start_step, self.device.type == "cuda", stream_state=position
@@ -276,7 +276,8 @@ class Trainer:
     def save(self) -> None:
         """A checkpoint of this step (a collective): weights, optimizer, schedule, every rank's RNG, the state."""
         self.state.skipped_steps = self.guard.skipped
-        self.state.data_position = gather_positions(self.loader)  # a collective; None unless the data is a stream
+        # A collective; None unless the data is a stream (one position per data-parallel rank).
+        self.state.data_position = gather_positions(self.loader, self.engine.dp_size, self.engine.dp_rank)
         self.saver.save(self.engine, self.state, self.scheduler, self.config_yaml, self.tokenizer_files)
 
     # ---------------------------------------------------------------- the end
