@@ -47,12 +47,12 @@ def main() -> int:
     args = p.parse_args(sys.argv[1:])
     limit = size_bytes(args.max_shard_size) if args.max_shard_size else None
 
-    from parallel_train.checkpoint import resolve_resume
+    from parallel_train.resume import choose_checkpoint
     from parallel_train.weights_export import export
 
     if not args.checkpoint.is_dir():
         raise UserError(f"{args.checkpoint}: no such folder; give a checkpoints/step_* folder or a run's output_dir")
-    folder = resolve_resume(str(args.checkpoint), args.checkpoint / "checkpoints", warn=lambda m: print(f"warning: {m}", file=sys.stderr))
+    folder = choose_checkpoint(str(args.checkpoint), args.checkpoint / "checkpoints", warn=lambda m: print(f"warning: {m}", file=sys.stderr))
     if args.out_dir.exists() and not args.out_dir.is_dir():
         raise UserError(f"{args.out_dir}: is a file; give a folder")
     for path in export(folder, args.out_dir, limit):

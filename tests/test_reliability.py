@@ -234,7 +234,7 @@ def test_sigterm_to_torchrun_checkpoints_on_all_ranks(tmp_path):
 # ---------------------------------------------------------------- checkpoint hygiene
 
 
-def test_corrupt_checkpoints_are_skipped_and_resumed_one_is_kept(ref1, tmp_path):
+def test_corrupt_checkpoints_are_skipped_and_the_resumed_one_goes_once_a_newer_one_verified(ref1, tmp_path):
     out = tmp_path / "run"
     args = (*BASE, "checkpoint.interval=2", "eval.interval=2", f"output_dir={out}")
     check(run(train_cmd(*args, "checkpoint.keep=3"), env=fault_env(tmp_path)))
@@ -250,8 +250,9 @@ def test_corrupt_checkpoints_are_skipped_and_resumed_one_is_kept(ref1, tmp_path)
     assert len(warnings) == 2 and "step_0000006" in warnings[0] and "shards/rank00000-000.safetensors has 100 bytes" in warnings[0]
     assert "step_0000004" in warnings[1] and "rng_rank0.safetensors is missing" in warnings[1]
     assert "step_0000002 at step 2" in result.output
-    # keep=1 keeps the newest; the resumed-from step_2 is never deleted; the best (lowest val loss) is step_6 here.
-    assert [p.name for p in checkpoint.list_checkpoints(root)] == ["step_0000002", "step_0000006"]
+    # keep=1 keeps the newest: the resumed-from step_2 went once step_4 had verified; the damaged step_6 stayed until
+    # this run wrote its own step_6 over it. The best (lowest val loss) is step_6 here.
+    assert [p.name for p in checkpoint.list_checkpoints(root)] == ["step_0000006"]
     assert same_bytes(out, ref1[0])  # checkpoint interval and corruption change nothing in the training
 
 
@@ -273,6 +274,19 @@ def test_prune_keeps_newest_best_and_resumed(tmp_path):
     assert not list(root.glob(".tmp-*"))
     checkpoint.prune(root, keep=1)
     assert [p.name for p in checkpoint.list_checkpoints(root)] == ["step_0000006"]
+
+
+def test_prune_goes_by_step_number_up_to_the_step_just_written(tmp_path):
+    """keep=1 after resume=PATH to an older checkpoint: a newer one left by the earlier run (step 9) is not the
+    newest of this run; the one just written (step 5) is kept, and step numbers past 7 digits sort as numbers."""
+    root = tmp_path / "checkpoints"
+    for step in (3, 5, 9, 9_999_999, 10_000_000):
+        _fake_checkpoint(root, step, None)
+    assert [checkpoint.checkpoint_step(p) for p in checkpoint.list_checkpoints(root)] == [3, 5, 9, 9_999_999, 10_000_000]
+    checkpoint.prune(root, keep=1, upto=5)
+    assert [checkpoint.checkpoint_step(p) for p in checkpoint.list_checkpoints(root)] == [5, 9, 9_999_999, 10_000_000]
+    checkpoint.prune(root, keep=1, upto=10_000_000)
+    assert [p.name for p in checkpoint.list_checkpoints(root)] == ["step_10000000"]
 
 
 # ---------------------------------------------------------------- divergence

@@ -1,21 +1,236 @@
-"""The promises at the edges a user reaches after a crash, a requeue or a misconfigured node: a user error from any
-rank, and the launch environment. (The leaked-environment cases are in the bad-input catalogue, tests/test_bad_inputs.py.)
+"""The promises at the edges a user reaches after a crash, a requeue or a misconfigured node: resume=auto never starts
+a run over, one run per output_dir, full disks and torn files, one resume choice for every rank, a user error from any rank.
+
+Real processes where processes matter (several ranks, a second launch, a full disk); in this process where they add
+nothing: a tiny run trains and resumes in a second or two through cli.main, as `python train.py` would.
+(The launch-environment cases are in the bad-input catalogue, tests/test_bad_inputs.py.)
 """
 
 from __future__ import annotations
 
+import json
+import shutil
+import signal
+import subprocess
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from safetensors.torch import load_file
 
-from helpers import TINY, launch_env, run, torchrun_cmd
-from parallel_train import errors, faults
+from helpers import REPO, TINY, check, launch_env, read_metrics, run, snapshot, torchrun_cmd, train_cmd
+from parallel_train import checkpoint, errors, faults
+from parallel_train.checkpoint_manifest import verifiers, verify
+from parallel_train.errors import UserError
 from parallel_train.launch_env import check_launch_env
+from parallel_train.output_dir import LOCK, RunLock
+from parallel_train.weights_export import load_weights
 
 pytestmark = pytest.mark.multiprocess
+
+
+def train_here(capsys, *args: str) -> tuple[str, str]:
+    """`python train.py ARGS` in this process: ("ok" or the one-line UserError, everything it printed)."""
+    from parallel_train.cli import main
+
+    try:
+        outcome = "ok" if main([*TINY, *args]) == 0 else "failed"
+    except UserError as e:
+        outcome = str(e)
+    printed = capsys.readouterr()
+    return outcome, printed.out + printed.err
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    """A finished one-process run: checkpoints at steps 3 and 6, model.safetensors, summary.json."""
+    tmp = tmp_path_factory.mktemp("finished")
+    check(run(train_cmd(*TINY, f"output_dir={tmp / 'run'}"), env=launch_env(tmp)))
+    return tmp / "run"
+
+
+def copy_of(run_dir: Path, tmp_path: Path, name: str = "run") -> Path:
+    shutil.copytree(run_dir, tmp_path / name)
+    return tmp_path / name
+
+
+# ---------------------------------------------------------------- resume=auto never starts a run over
+
+
+@pytest.mark.parametrize("keep", ["checkpoint.keep=1", "checkpoint.interval=0"], ids=["keep_1", "default_keep"])
+def test_resume_auto_stops_when_no_checkpoint_verifies_and_changes_nothing(tmp_path, capsys, keep):
+    """The only checkpoint (keep=1; or the default keep with a checkpoint at the end only) misses a file: one line
+    names it and the two ways on; metrics.jsonl, model.safetensors, summary.json, config.yaml and the damaged
+    checkpoint itself are left exactly as they were."""
+    out = tmp_path / "run"
+    assert train_here(capsys, keep, f"output_dir={out}")[0] == "ok"
+    assert [p.name for p in checkpoint.list_checkpoints(out / "checkpoints")] == ["step_0000006"]
+    (out / "checkpoints" / "step_0000006" / "rng_rank0.safetensors").unlink()
+    before = snapshot(out)
+    outcome, printed = train_here(capsys, keep, "train.max_steps=9", f"output_dir={out}")
+    assert outcome.startswith(
+        f"resume=auto: no checkpoint in {out / 'checkpoints'} verifies (step_0000006: rng_rank0.safetensors is missing)"
+    )
+    assert "resume=PATH" in outcome and "new output_dir" in outcome and "\n" not in outcome
+    assert "warning:" not in printed  # the error line names every checkpoint itself
+    assert snapshot(out) == before
+
+
+def test_resume_from_an_older_checkpoint_with_keep_1_keeps_what_this_run_writes(tmp_path, capsys):
+    """resume=step_2 with a newer step_6 left by the earlier run, keep=1, max_steps=4: pruning goes by step number up
+    to the step just written, so step_4 stays (and is the final model), step_2 goes once step_4 verified, and the
+    earlier run's step_6 is not this run's to delete. (Before: pruning by name kept step_6 and deleted each new one.)"""
+    out = tmp_path / "run"
+    assert train_here(capsys, "checkpoint.interval=2", "eval.interval=2", "checkpoint.keep=3", f"output_dir={out}")[0] == "ok"
+    root = out / "checkpoints"
+    outcome, printed = train_here(capsys, "checkpoint.keep=1", "train.max_steps=4", f"resume={root / 'step_0000002'}", f"output_dir={out}")
+    assert outcome == "ok", printed
+    assert [p.name for p in checkpoint.list_checkpoints(root)] == ["step_0000004", "step_0000006"]
+    assert load_file(str(out / "model.safetensors")).keys() == load_weights(root / "step_0000004").keys()
+    assert all((load_file(str(out / "model.safetensors"))[k] == v).all() for k, v in load_weights(root / "step_0000004").items())
+
+
+# ---------------------------------------------------------------- torn files
+
+
+def test_a_torn_last_metrics_line_is_dropped_and_a_bad_line_stops_before_anything_is_written(finished, tmp_path, capsys):
+    torn = copy_of(finished, tmp_path, "torn")
+    with open(torn / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "step": 7, "lo')  # SIGKILL during an append
+    outcome, printed = train_here(capsys, "train.max_steps=8", f"output_dir={torn}")
+    assert outcome == "ok", printed
+    assert "dropped its half-written last line" in printed
+    assert [r["step"] for r in read_metrics(torn) if r["kind"] == "train"] == list(range(1, 9))
+
+    bad = copy_of(finished, tmp_path, "bad")
+    lines = (bad / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (bad / "metrics.jsonl").write_text("".join(lines[:2] + ["not json\n"] + lines[2:]))
+    before = snapshot(bad)
+    outcome, _ = train_here(capsys, "train.max_steps=8", f"output_dir={bad}")
+    assert "metrics.jsonl: line 3 is not a JSON record" in outcome and "\n" not in outcome
+    assert snapshot(bad) == before  # config.yaml included: it is written only after metrics.jsonl was read
+
+
+# ---------------------------------------------------------------- one run per output_dir
+
+
+def test_a_second_launch_into_a_running_folder_stops_naming_the_holder(tmp_path):
+    """The first run hangs after step 1 holding output_dir's lock; a second launch there stops in one line naming
+    it and changes nothing; once the first is SIGKILLed the OS has released the lock: a third run takes it."""
+    out = tmp_path / "run"
+    env = launch_env(tmp_path, **{faults.ENV: "hang@1"})
+    holder = subprocess.Popen(
+        train_cmd(*TINY, f"output_dir={out}"),
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        for line in holder.stdout:  # until it hangs: from then on nothing in output_dir changes
+            if "hangs after step 1" in line:
+                break
+        assert holder.poll() is None, "the first run ended instead of hanging"
+        held = json.loads((out / LOCK).read_text())
+        assert held["pid"] == holder.pid and held["host"] and held["started"]
+        before = snapshot(out)
+        second = run(train_cmd(*TINY, f"output_dir={out}"), env=launch_env(tmp_path))
+        errors_ = [line for line in second.output.splitlines() if line.startswith("error:")]
+        assert second.returncode == 2 and len(errors_) == 1 and "Traceback" not in second.output, second.output[-2000:]
+        assert f"is in use by another run (host {held['host']}, pid {holder.pid}, started" in errors_[0]
+        assert snapshot(out) == before
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert (out / LOCK).exists()  # left by the killed run: a file, not a lock
+    lock, why = RunLock.take(out)
+    assert why is None and json.loads((out / LOCK).read_text())["pid"] != holder.pid
+    lock.release()
+    assert not (out / LOCK).exists()
+
+
+# ---------------------------------------------------------------- full disks
+
+
+def mount_tmpfs(folder: Path, size: str) -> bool:
+    folder.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True).returncode == 0
+
+
+def test_a_full_disk_stops_the_run_in_one_line_and_it_resumes_once_space_is_freed(tmp_path):
+    """A real full disk: a 700 kB tmpfs holds checkpoint 3 but not checkpoint 6. Skipped where tmpfs cannot be
+    mounted (not root); the fault-injected full disk below runs everywhere."""
+    disk = tmp_path / "disk"
+    if not mount_tmpfs(disk, "700k"):
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        out, env = disk / "run", launch_env(tmp_path)
+        full = run(train_cmd(*TINY, f"output_dir={out}"), env=env)
+        errors_ = [line for line in full.output.splitlines() if line.startswith("error:")]
+        assert full.returncode == 2 and len(errors_) == 1 and "Traceback" not in full.output, full.output[-3000:]
+        assert (
+            "error: checkpoint step_0000006: writing shards/rank00000-000.safetensors on rank 0 failed (No space left on device)"
+            in errors_[0]
+        )
+        assert "free in" in errors_[0] and "removed .tmp-step_0000006" in errors_[0]
+        root = out / "checkpoints"
+        assert [p.name for p in root.iterdir()] == ["step_0000003"] and verify(root / "step_0000003") is None
+        subprocess.run(["mount", "-o", "remount,size=8m", str(disk)], check=True)
+        resumed = check(run(train_cmd(*TINY, f"output_dir={out}"), env=env))
+        assert f"resumed from {root / 'step_0000003'} at step 3" in resumed.output
+        assert [r["step"] for r in read_metrics(out) if r["kind"] == "train"] == list(range(1, 7))
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def test_ranks_agree_on_one_resume_and_on_a_full_disk(tmp_path):
+    """Three launches of 2 processes, one story:
+    1. rank 1's part of checkpoint 6 hits a full disk in the background write (checkpoint.async): every rank stops
+       with the same line, printed once; the temporary folder is gone and checkpoint 3 verifies.
+    2. relaunched while rank 1 lists checkpoints/ as a stale cache would (nothing from step 3 on): rank 0 chooses
+       step 3 for both (before, rank 1 would have started from step 0 and the ranks would have hung).
+    3. rank 1 cannot read the files of the chosen checkpoint (step 6): one line names rank 1 and the file."""
+    out, env = tmp_path / "run", launch_env(tmp_path)
+    full = run(torchrun_cmd(2, *TINY, "checkpoint.async=true", f"output_dir={out}"), env={**env, faults.ENV: "enospc@6:rank=1"})
+    errors_ = [line for line in full.stderr.splitlines() if line.startswith("error:")]
+    assert full.returncode != 0 and len(errors_) == 1, full.output[-3000:]
+    assert errors_[0].startswith(
+        "error: checkpoint step_0000006: writing shards/rank00001-000.safetensors on rank 1 failed (No space left on device)"
+    )
+    root = out / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step_0000003"] and verify(root / "step_0000003") is None
+
+    resumed = check(run(torchrun_cmd(2, *TINY, f"output_dir={out}"), env={**env, faults.ENV: "stale_listing@3:rank=1"}))
+    assert f"resumed from {root / 'step_0000003'} at step 3" in resumed.output
+    assert [r["step"] for r in read_metrics(out) if r["kind"] == "train"] == list(range(1, 7))
+
+    blind = run(torchrun_cmd(2, *TINY, "train.max_steps=8", f"output_dir={out}"), env={**env, faults.ENV: "unreadable@6:rank=1"})
+    errors_ = [line for line in blind.stderr.splitlines() if line.startswith("error:")]
+    assert blind.returncode != 0 and len(errors_) == 1, blind.output[-3000:]
+    assert errors_[0].startswith("error: rank 1 (host ") and f"cannot read {root / 'step_0000006'}/" in errors_[0]
+
+
+def test_the_listing_faults_act_on_the_rank_they_name():
+    """The stale-listing and unreadable faults above act on the rank they name only (here: this process, rank 0)."""
+    saved = list(faults.FAULTS)
+    try:
+        faults.FAULTS[:] = faults.parse("stale_listing@6:rank=0; unreadable@3:rank=1")
+        assert faults.hidden(6, listing=True) and faults.hidden(9, listing=True) and not faults.hidden(3, listing=True)
+        assert not faults.hidden(3, listing=False)
+    finally:
+        faults.FAULTS[:] = saved
+
+
+def test_verification_is_spread_over_the_ranks():
+    files = {"a": {"size": 10, "rank": 0}, "b": {"size": 30, "rank": 1}, "c": {"size": 20, "rank": 1}, "d": {"size": 5, "rank": 0}}
+    assert verifiers(files, 2) == {"a": 0, "b": 1, "c": 1, "d": 0}  # as written: each rank its own files
+    assert verifiers(files, 3) == {"b": 0, "c": 1, "a": 2, "d": 2}  # another world size: dealt out by size
+    assert set(verifiers(files, 1).values()) == {0}
 
 
 # ---------------------------------------------------------------- a user error on any rank

@@ -13,8 +13,11 @@ Layout of `output_dir/checkpoints/step_0000500/`:
 Nothing is gathered whole on one rank: each rank writes and hashes its own files, the main process writes the
 small JSON files and, once every rank's part is on disk, the manifest. A checkpoint is written into
 `.tmp-step_*` and renamed after the manifest: a kill at any moment leaves the old set of checkpoints or the new
-one, never a half-written `step_*`. Loading never unpickles: safetensors, JSON and YAML only. Checkpoints of
-earlier versions (whole `model.safetensors` + `optimizer.safetensors`) still load.
+one, never a half-written `step_*`. A write that fails on any rank (a full disk) stops every rank with the same
+line, after the temporary folder is removed (SaveFailure). Pruning keeps the newest `checkpoint.keep` by step
+number up to the step just written, and the checkpoint the run resumed from until a newer one has verified.
+Loading never unpickles: safetensors, JSON and YAML only. Checkpoints of earlier versions (whole
+`model.safetensors` + `optimizer.safetensors`) still load. Which checkpoint a run resumes from: resume.py.
 
 With `checkpoint.async=true` a save copies this rank's tensors (to host memory; pinned when they live on a GPU) and
 training goes on while a background thread writes them and seals the checkpoint; the next save, and the end of
@@ -36,11 +39,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from parallel_train import checkpoint_storage, faults
-from parallel_train.checkpoint_manifest import MANIFEST, SHARD_DIR, fsync, record, refuse_code, verify, write_manifest
+from parallel_train.checkpoint_manifest import MANIFEST, SHARD_DIR, fsync, record, refuse_code, verify, verify_spread, write_manifest  # noqa: F401  (checkpoint.verify: scripts and tests)
+from parallel_train.collectives import all_gather
+from parallel_train.disk import as_os_error, free_bytes, human
 from parallel_train.dtensor_state import shard_like, upgrade_names
 from parallel_train.engine import RankState
 from parallel_train.errors import UserError
@@ -55,41 +62,18 @@ def checkpoint_name(step: int) -> str:
     return f"{PREFIX}{step:07d}"
 
 
+def checkpoint_step(folder: Path) -> int | None:
+    """The step of a `step_NNNNNNN` folder (any number of digits), else None."""
+    digits = folder.name[len(PREFIX) :]
+    return int(digits) if folder.name.startswith(PREFIX) and digits.isdigit() else None
+
+
 def list_checkpoints(root: Path) -> list[Path]:
-    """Finished checkpoints (renamed from .tmp-*), oldest first."""
+    """Finished checkpoints (renamed from .tmp-*), oldest first by step number (names sort wrongly past 7 digits)."""
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX))
-
-
-def find_latest_valid(root: Path, warn) -> Path | None:
-    """Newest checkpoint that passes its manifest; each one skipped is named in a warning."""
-    for folder in reversed(list_checkpoints(root)):
-        refuse_code(folder)
-        problem = verify(folder)
-        if problem is None:
-            return folder
-        warn(f"skipping checkpoint {folder}: {problem}")
-    return None
-
-
-def resolve_resume(resume: str, root: Path, warn) -> Path | None:
-    """`auto` -> newest valid checkpoint or None; `none` -> None; a path -> that checkpoint, verified."""
-    if resume == "none":
-        return None
-    if resume == "auto":
-        return find_latest_valid(root, warn)
-    path = Path(resume)
-    if not path.exists():
-        raise UserError(f"resume: no such checkpoint {resume!r}; use resume=auto, resume=none or a checkpoints/step_* folder")
-    if path.is_dir() and not (path / MANIFEST).exists() and list_checkpoints(path / "checkpoints"):
-        path = find_latest_valid(path / "checkpoints", warn) or path  # a run folder: take its newest
-    if path.is_dir():
-        refuse_code(path)
-    problem = verify(path) if path.is_dir() else "not a folder"
-    if problem:
-        raise UserError(f"resume: {resume!r} is not a valid checkpoint ({problem})")
-    return path
+    found = [(step, p) for p in root.iterdir() if p.is_dir() and (step := checkpoint_step(p)) is not None]
+    return [p for step, p in sorted(found) if not faults.hidden(step, listing=True)]  # test-only: a stale listing
 
 
 # ---------------------------------------------------------------- save
@@ -106,6 +90,59 @@ def _gather(obj: Any, group) -> list[Any]:
     parts = [None] * dist.get_world_size() if _rank() == 0 else None
     dist.gather_object(obj, parts, dst=0, group=group)
     return parts or []
+
+
+def _fresh_folder(tmp: Path) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+
+
+def attempt(write, name: str | None = None) -> dict[str, Any] | None:
+    """Run `write`; None, or what failed (a full or failing disk) as SaveFailure.agree takes it."""
+    try:
+        write()
+    except (OSError, SafetensorError) as e:
+        return describe_failure(e, name)
+    return None
+
+
+def describe_failure(error: BaseException, name: str | None = None) -> dict[str, Any] | None:
+    """{"rank", "file", "error"} for a failed write (a CheckpointException: its first failing rank's), or None when
+    the error is not about writing (a bug: it is raised as it is)."""
+    rank = _rank()
+    if isinstance(error, CheckpointException):
+        rank, (error, _) = min(error.failures.items(), key=lambda item: item[0])
+    os_error = as_os_error(error, name)
+    if os_error is None:
+        return None
+    path = Path(str(os_error.filename or name)) if (os_error.filename or name) else None
+    shown = "a file" if path is None else f"{SHARD_DIR}/{path.name}" if path.parent.name == SHARD_DIR else path.name
+    return {"rank": rank, "file": shown, "error": os_error.strerror or type(os_error).__name__}
+
+
+class SaveFailure:
+    """Where one save's ranks agree that it failed: every rank calls `agree` at the same points; if any rank failed,
+    rank 0 removes the temporary folder and every rank raises the same one-line UserError (file, bytes needed,
+    space free), so no rank waits in a collective for one that stopped. The earlier checkpoints are untouched."""
+
+    def __init__(self, step: int, tmp: Path, root: Path, needed: int, group):
+        self.step, self.tmp, self.root, self.needed, self.group = step, tmp, root, needed, group
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+
+    def agree(self, problem: dict[str, Any] | None) -> None:
+        reports = all_gather((problem, self.needed, free_bytes(self.root) if _rank() == 0 else None), self.group)
+        failed = [p for p, _, _ in reports if p]
+        if not failed:
+            return
+        if _rank() == 0:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        first, needed, free = failed[0], sum(n for _, n, _ in reports), reports[0][2]
+        raise UserError(
+            f"checkpoint {checkpoint_name(self.step)}: writing {first['file']} on rank {first['rank']} failed ({first['error']}): "
+            f"the checkpoint needs up to {human(needed)}, {human(free) if free is not None else 'an unknown amount'} free in "
+            f"{self.root}; removed {self.tmp.name}, the earlier checkpoints are intact. Free space (or fix the disk), then "
+            "relaunch with resume=auto"
+        )
 
 
 def rng_state() -> dict[str, torch.Tensor]:
@@ -156,17 +193,19 @@ class Checkpointer:
         when the checkpoint is in place, or with `background` once its tensors are copied. A collective."""
         self.wait()  # one checkpoint in flight at a time
         final, tmp = self.root / checkpoint_name(step), self.root / f".tmp-{checkpoint_name(step)}"
-        if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        self._barrier()
         tensors, meta = rank_tensors(rank)
+        needed = sum(t.numel() * t.element_size() for t in tensors.values()) + sum(len(t.encode()) for t in files.values())
+        self.failed = SaveFailure(step, tmp, self.root, needed, self.group)
+        self.failed.agree(attempt(lambda: _fresh_folder(tmp), tmp.name) if self.rank == 0 else None)  # every rank after rank 0's mkdir
         parts = _gather(meta, self.group)  # a pipeline rank names only its own parameters
         rng_file = f"rng_rank{self.rank}.safetensors"
-        save_file(rng_state(), str(tmp / rng_file))
-        if self.rank == 0:
-            for name, text in {**files, "optimizer.json": json.dumps(merge_meta(parts), indent=1)}.items():
-                (tmp / name).write_text(text, encoding="utf-8")
+        problem = attempt(lambda: save_file(rng_state(), str(tmp / rng_file)), rng_file)
+        if self.rank == 0 and problem is None:
+            texts = {**files, "optimizer.json": json.dumps(merge_meta(parts), indent=1)}
+            problem = next(
+                filter(None, (attempt(lambda n=n, t=t: (tmp / n).write_text(t, encoding="utf-8"), n) for n, t in texts.items())), None
+            )
+        self.failed.agree(problem)
         if not self.background:
             self._write_and_seal(step, tmp, final, tensors, [rng_file])
             return final
@@ -191,21 +230,37 @@ class Checkpointer:
             future.set_exception(e)
 
     def _write_and_seal(self, step: int, tmp: Path, final: Path, tensors: dict[str, torch.Tensor], own: list[str]) -> None:
-        """Every rank writes its tensors and hashes its files; rank 0 writes the manifest and renames. A collective."""
-        written = checkpoint_storage.write(tmp / SHARD_DIR, tensors, self.group)  # returns once every rank's part is on disk
+        """Every rank writes its tensors and hashes its files; rank 0 writes the manifest and renames; then the
+        older checkpoints are pruned. A collective: a write that fails on any rank stops every rank (SaveFailure)."""
+        written, problem = [], None
+        try:  # DCP hands a failure on any rank to every rank, as a CheckpointException
+            written = checkpoint_storage.write(tmp / SHARD_DIR, tensors, self.group)  # returns once every rank's part is on disk
+        except (CheckpointException, OSError, SafetensorError) as e:
+            problem = describe_failure(e)
+            if problem is None:
+                raise
+        self.failed.agree(problem)
         faults.in_save(step)  # test-only: a kill here must leave the previous checkpoint the resume point
-        records = {name: record(tmp, name, self.rank) for name in [f"{SHARD_DIR}/{n}" for n in written] + own}
+        records: dict[str, Any] = {}
+        problem = attempt(lambda: records.update({n: record(tmp, n, self.rank) for n in [f"{SHARD_DIR}/{w}" for w in written] + own}))
+        self.failed.agree(problem)
         merged = {name: rec for part in _gather(records, self.group) for name, rec in part.items()}
+        self.failed.agree(attempt(lambda: self._seal(tmp, final, merged), MANIFEST) if self.rank == 0 else None)
+        if self.protect is not None and verify_spread(final, self.rank, self.failed.world, self.group) is None:
+            self.protect = None  # a newer checkpoint verified: the one this run resumed from may go now
         if self.rank == 0:
-            write_manifest(tmp, merged)
-            if final.exists():  # the same step saved again (e.g. a resumed run that ends where it started)
-                old = self.root / f".tmp-old-{final.name}"  # moved aside, not deleted, until the new one is in place
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(final, old)
-            os.replace(tmp, final)
-            fsync(self.root)
-            prune(self.root, self.keep, protect=self.protect, keep_best=self.keep_best)
+            prune(self.root, self.keep, protect=self.protect, keep_best=self.keep_best, upto=step)
         self._barrier()
+
+    def _seal(self, tmp: Path, final: Path, records: dict[str, Any]) -> None:
+        """Rank 0: the manifest, then the rename that makes the checkpoint exist."""
+        write_manifest(tmp, records)
+        if final.exists():  # the same step saved again (e.g. a resumed run that ends where it started)
+            old = self.root / f".tmp-old-{final.name}"  # moved aside, not deleted, until the new one is in place
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        fsync(self.root)
 
     def _barrier(self) -> None:
         if self.group is not None:
@@ -242,11 +297,14 @@ def best_checkpoint(root: Path) -> Path | None:
     return best
 
 
-def prune(root: Path, keep: int, protect: Path | None = None, keep_best: bool = False) -> None:
-    """Keep the newest `keep` checkpoints, `protect` (the one this run resumed from), and with `keep_best`
-    the one with the lowest val loss."""
+def prune(root: Path, keep: int, protect: Path | None = None, keep_best: bool = False, upto: int | None = None) -> None:
+    """Keep the newest `keep` checkpoints by step number up to step `upto` (the one just written), `protect` (the one
+    this run resumed from, until a newer one verified), and with `keep_best` the one with the lowest val loss.
+    Checkpoints after `upto` (left by a run this one does not continue: resume=PATH to an older step) are not
+    pruned: this run has not replaced them yet."""
     spared = {p.resolve() for p in (protect, best_checkpoint(root) if keep_best else None) if p is not None}
-    for old in list_checkpoints(root)[:-keep]:
+    ours = [p for p in list_checkpoints(root) if upto is None or (checkpoint_step(p) or 0) <= upto]
+    for old in ours[:-keep]:
         if old.resolve() in spared:
             continue
         shutil.rmtree(old, ignore_errors=True)

@@ -14,11 +14,14 @@ import hashlib
 import json
 import os
 import pickletools
+import socket
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from safetensors import safe_open
 
+from parallel_train import faults
+from parallel_train.collectives import all_gather, from_rank0
 from parallel_train.errors import UserError
 
 MANIFEST = "manifest.json"
@@ -68,36 +71,117 @@ def _outside(name: str) -> bool:
 
 
 def verify(folder: Path) -> str | None:
-    """None if the checkpoint is complete and intact, else what is wrong with it."""
+    """None if the checkpoint is complete and intact, else what is wrong with it (in one process: every file)."""
+    files, problem = check_structure(folder)
+    return problem or check_contents(folder, files, list(files))
+
+
+def check_structure(folder: Path) -> tuple[dict[str, dict[str, Any]], str | None]:
+    """(the manifest's files, what is wrong with the folder's layout or None): the manifest parses, names only files
+    inside the folder, every one exists at its size, nothing else is there. Cheap: no file is read but the manifest."""
     manifest_path = folder / MANIFEST
     if not manifest_path.is_file():
-        return "no manifest.json (incomplete or not a checkpoint)"
+        return {}, "no manifest.json (incomplete or not a checkpoint)"
     try:
         files = json.loads(manifest_path.read_text())["files"]
         sizes = {str(name): int(meta["size"]) for name, meta in files.items()}
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
-        return "manifest.json is unreadable"
-    for name, size in sizes.items():
-        p = folder / name
+        return {}, "manifest.json is unreadable"
+    for name in sizes:
         if _outside(name):
-            return f"manifest.json names {name!r}, which is not inside the checkpoint"
-        if not p.is_file():
-            return f"{name} is missing"
-        if p.stat().st_size != size:
-            return f"{name} has {p.stat().st_size} bytes, manifest says {size}"
-        if sha256(p) != files[name].get("sha256"):
-            return f"{name} does not match its sha256 in the manifest"
-    unreadable = next((n for n in sizes if not _parses(folder / n)), None)
-    if unreadable:
-        return f"{unreadable} is not a readable {Path(unreadable).suffix[1:]} file"
+            return files, f"manifest.json names {name!r}, which is not inside the checkpoint"
+    problem = next(filter(None, (_size_problem(folder / name, size, name) for name, size in sizes.items())), None)
+    if problem:
+        return files, problem
     extra = [n for n in files_of(folder) if n not in sizes]
     if extra:
-        return f"{extra[0]} is not in the manifest"
+        return files, f"{extra[0]} is not in the manifest"
     if "trainer_state.json" not in sizes:
-        return "trainer_state.json is not in the manifest"
+        return files, "trainer_state.json is not in the manifest"
     if "model.safetensors" not in sizes and not any(n.startswith(SHARD_DIR + "/") for n in sizes):
-        return "the manifest lists no model weights"
+        return files, "the manifest lists no model weights"
+    return files, None
+
+
+def _size_problem(path: Path, size: int, name: str) -> str | None:
+    if not path.is_file():
+        return f"{name} is missing"
+    if path.stat().st_size != size:
+        return f"{name} has {path.stat().st_size} bytes, manifest says {size}"
     return None
+
+
+def check_contents(folder: Path, files: dict[str, dict[str, Any]], names: list[str]) -> str | None:
+    """What is wrong with the contents of `names` (their sha256; JSON and safetensors headers parse), or None."""
+    for name in names:
+        if sha256(folder / name) != files[name].get("sha256"):
+            return f"{name} does not match its sha256 in the manifest"
+    unreadable = next((n for n in names if not _parses(folder / n)), None)
+    return f"{unreadable} is not a readable {Path(unreadable).suffix[1:]} file" if unreadable else None
+
+
+# ---------------------------------------------------------------- verification spread over the ranks
+
+
+def verifiers(files: dict[str, dict[str, Any]], world: int) -> dict[str, int]:
+    """The rank that checks each file's contents: the rank that wrote it when the checkpoint was written by as many
+    ranks as there are now; otherwise the files dealt out over the ranks that exist, largest first, by bytes."""
+    writers = {name: meta.get("rank") for name, meta in files.items()}
+    if writers and all(isinstance(r, int) and 0 <= r < world for r in writers.values()) and max(writers.values()) == world - 1:
+        return writers
+    load, out = [0] * world, {}
+    for name in sorted(files, key=lambda n: (-int(files[n]["size"]), n)):
+        out[name] = min(range(world), key=lambda r: (load[r], r))
+        load[out[name]] += int(files[name]["size"]) + 1
+    return out
+
+
+def unseen(folder: Path, files: dict[str, dict[str, Any]]) -> tuple[str, str] | None:
+    """(a file of the manifest this process cannot see at its size, why), or None. Only stats the files: cheap."""
+    step = folder.name.rpartition("_")[2]
+    if step.isdigit() and faults.hidden(int(step), listing=False):  # test-only: this rank's view is broken
+        return next(iter(sorted(files))), "no such file (PARALLEL_TRAIN_FAULT=unreadable)"
+    for name, meta in sorted(files.items()):
+        try:
+            size = (folder / name).stat().st_size
+        except OSError as e:
+            return name, e.strerror or type(e).__name__
+        if size != int(meta["size"]):
+            return name, f"{size} bytes, rank 0 sees {meta['size']}"
+    return None
+
+
+def verify_spread(folder: Path, rank: int, world: int, group=None) -> str | None:
+    """`verify` with the reading spread over the ranks (a collective; the same answer on every rank): rank 0 checks
+    the layout and refuses pickles, each rank hashes and parses its share of the files (`verifiers`), and every rank
+    checks that it sees every file. Raises UserError, on every rank, when a rank cannot see a file rank 0 sees."""
+    head: dict[str, Any] | None = None
+    if rank == 0:
+        try:
+            refuse_code(folder)
+            files, problem = check_structure(folder)
+            head = {"files": files, "problem": problem}
+        except UserError as e:
+            head = {"error": str(e)}
+        except OSError as e:
+            head = {"files": {}, "problem": f"cannot be read ({e.strerror})"}
+    head = from_rank0(head, group)
+    if "error" in head:
+        raise UserError(head["error"])
+    if head["problem"]:
+        return head["problem"]
+    files = head["files"]
+    mine = [name for name, r in verifiers(files, world).items() if r == rank]
+    missing = unseen(folder, files)
+    problem = None if missing else check_contents(folder, files, mine)
+    results = all_gather((socket.gethostname(), missing, problem), group)
+    for r, (host, missing, _) in enumerate(results):
+        if missing:
+            raise UserError(
+                f"rank {r} (host {host}) cannot read {folder / missing[0]} ({missing[1]}), which rank 0 sees: every process "
+                "must see output_dir as rank 0 does (one shared file system, up to date); fix the mount, then relaunch"
+            )
+    return next((problem for _, _, problem in results if problem), None)
 
 
 def _parses(path: Path) -> bool:

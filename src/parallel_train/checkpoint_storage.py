@@ -26,11 +26,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemWriter, HuggingFaceStorageReader
 from torch.distributed.checkpoint.filesystem import SerializationFormat
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
+
+from parallel_train import faults
+from parallel_train.disk import as_os_error
 
 # A rank's part is cut into files of at most this size: on a GPU each file's tensors are copied to the host before
 # it is written, so this bounds a save's extra host memory per rank (on the CPU the tensors are written in place).
@@ -80,7 +84,12 @@ class ShardWriter(FileSystemWriter):
             tensors = {item.index.fqn: planner.resolve_data(item).detach().cpu().contiguous() for item in items}
             offsets = {item.index.fqn: {"saved_offsets": list(item.tensor_data.chunk.offsets)} for item in items}
             metadata = {SHARDING_INFO: json.dumps(offsets), VERSION: "1.0", "format": "pt"}
-            save_file(tensors, str(Path(self.path) / name), metadata=metadata)
+            path = Path(self.path) / name
+            faults.in_shard_write(str(path))  # test-only: a full disk here must stop the run in one line
+            try:
+                save_file(tensors, str(path), metadata=metadata)
+            except SafetensorError as e:  # a full or failing disk, as an OSError naming the file (checkpoint.py says it in one line)
+                raise (as_os_error(e, path) or e) from None
             self.written.append(name)
             results += [WriteResult(item.index, _item_bytes(item), name) for item in items]
         future: Future = Future()

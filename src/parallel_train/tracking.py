@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from parallel_train.disk import write_atomic, write_error
 from parallel_train.errors import UserError, is_first_process
 
 if TYPE_CHECKING:  # accelerate costs seconds to import; the trainer imports it when it needs it
@@ -114,20 +115,40 @@ class MetricsLog:
     def __init__(self, path: Path, accelerator: Accelerator, tracker: str):
         self.path, self.accelerator, self.tracker = path, accelerator, tracker
 
-    def truncate_after(self, step: int) -> None:
-        """On resume: drop records of steps after the checkpoint (the killed run's lost work)."""
+    def truncate_after(self, step: int, notice: Callable[[str], None]) -> None:
+        """On resume: drop records of steps after the checkpoint (the killed run's lost work), and a half-written last
+        line (a kill during an append) with a notice. Any other line that is not JSON is an error, before anything is
+        written: the file is the run's history, not ours to guess at."""
         if not self.accelerator.is_main_process or not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, self.path)
+        text = self.path.read_text(encoding="utf-8", errors="replace")
+        lines, kept = text.splitlines(keepends=True), []
+        for number, line in enumerate(lines, 1):
+            try:
+                record = json.loads(line) if line.strip() else None
+            except ValueError:
+                if number == len(lines) and not line.endswith("\n"):  # every append ends with a newline: a torn one
+                    notice(
+                        f"notice: {self.path}: dropped its half-written last line ({len(line)} bytes, from a run killed while writing it)"
+                    )
+                    continue
+                raise UserError(
+                    f"{self.path}: line {number} is not a JSON record ({line.strip()[:60]!r}); remove or fix that line, then relaunch "
+                    "(nothing was changed)"
+                ) from None
+            if isinstance(record, dict) and record.get("step", 0) <= step:
+                kept.append(line.rstrip("\n") + "\n")
+        write_atomic(self.path, "".join(kept))
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.accelerator.is_main_process:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        line = json.dumps(record) + "\n"
+        try:
+            with open(self.path, "a") as f:
+                f.write(line)
+        except OSError as e:  # a full or failing disk: one line; a torn last line is dropped on resume
+            raise write_error(self.path, e, len(line.encode())) from None
         if self.tracker != "none":
             values = {k: v for k, v in record.items() if k not in ("step", "kind") and isinstance(v, (int, float))}
             # train/loss, train/lr, ... and val/loss: the metrics.jsonl keys grouped by kind.

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import resource
 import time
-from pathlib import Path
 
 import torch
 import yaml
@@ -22,47 +21,31 @@ from tqdm.auto import tqdm
 
 from parallel_train import checkpoint, faults
 from parallel_train.accelerator_setup import make_accelerator
-from parallel_train.config import Config, save_config
+from parallel_train.config import Config
 from parallel_train.data import train_loader, val_loader
 from parallel_train.data_sources import load_data
-from parallel_train.errors import UserError, is_first_process
+from parallel_train.disk import write_atomic, write_error
+from parallel_train.errors import is_first_process
 from parallel_train.guards import RunGuard, stop_message
 from parallel_train.messages import train_line
 from parallel_train.models import MODELS, build_model
 from parallel_train.optim import build_optimizer, build_scheduler
+from parallel_train.output_dir import check_output_dir, lock_output_dir
 from parallel_train.perf import Throughput, configure_backends, mfu, peak_flops, process_age_s
 from parallel_train.plots import PICTURE, plot_runs
+from parallel_train.resume import choose_checkpoint
 from parallel_train.streaming_data import gather_positions, position_for
 from parallel_train.tokenization import load_saved
 from parallel_train.topology import build_engine, describe
 from parallel_train.tracking import MetricsLog, finish_trackers, init_trackers, prepare_tracker_env
 from parallel_train.train_state import TrainingState
-from parallel_train.weights_export import export, load_weights
-
-RUN_FILES = ("metrics.jsonl", "summary.json", "model.safetensors")
+from parallel_train.weights_export import checkpoint_weights, export, load_weights
 
 
 def say(message: str) -> None:
     """One line from the first process (before the Accelerator exists too)."""
     if is_first_process():
         tqdm.write(message)
-
-
-def check_output_dir(cfg: Config) -> Path:
-    """Refuse an output_dir that is a file, not writable, or holds a run we would overwrite."""
-    out = Path(cfg.output_dir)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"output_dir: {cfg.output_dir!r} is a file; give a folder")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write-test-{time.monotonic_ns()}"
-        probe.touch()
-        probe.unlink()
-    except OSError as e:
-        raise UserError(f"output_dir: {cfg.output_dir!r} is not writable ({e.strerror})") from None
-    if cfg.resume == "none" and any((out / f).exists() for f in RUN_FILES):
-        raise UserError(f"output_dir: {cfg.output_dir!r} already holds a run; continue it with resume=auto or choose a new output_dir")
-    return out
 
 
 class TimedIterator:
@@ -101,10 +84,22 @@ class Trainer:
         self.cfg = cfg
         self.out = check_output_dir(cfg)
         self.ckpt_root = self.out / "checkpoints"
-        self.resume_from = checkpoint.resolve_resume(cfg.resume, self.ckpt_root, warn=lambda m: say(f"warning: {m}"))
         tracker_word = prepare_tracker_env(cfg.tracker, self.out, say)
 
         self.accelerator = make_accelerator(cfg, say)
+        # From here on the main process decides for every rank: who holds output_dir (output_dir.py), which checkpoint
+        # the run continues from (resume.py). Nothing in output_dir is read before the lock is held.
+        self.lock = lock_output_dir(self.out, self.accelerator.is_main_process, say)
+        try:
+            self._set_up(config_path, tracker_word)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _set_up(self, config_path: str | None, tracker_word: str) -> None:
+        """The checkpoint to continue from (every rank the same), then the banner, model, engine and outputs."""
+        cfg = self.cfg
+        self.resume_from = choose_checkpoint(cfg.resume, self.ckpt_root, warn=lambda m: say(f"warning: {m}"))
         self.device = self.accelerator.device
         configure_backends(cfg.train, self.device)
         say(
@@ -156,12 +151,17 @@ class Trainer:
         cfg, accelerator = self.cfg, self.accelerator
         self.config_yaml = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
         self.tokenizer_files = self.data.vocab.files() if self.data.vocab else {}
-        if accelerator.is_main_process:
-            save_config(cfg, self.out / "config.yaml")
-            if self.data.vocab is not None:
-                self.data.vocab.save(self.out)
         self.metrics = MetricsLog(self.out / "metrics.jsonl", accelerator, cfg.tracker)
-        self.metrics.truncate_after(self.start_step)
+        self.metrics.truncate_after(self.start_step, say)  # first: a metrics.jsonl it cannot read stops the run before any write
+        if accelerator.is_main_process:
+            write_atomic(self.out / "config.yaml", self.config_yaml)  # whole or not at all (a full disk)
+            if self.data.vocab is not None:
+                try:
+                    self.data.vocab.save(self.out)  # vocab.json or tokenizer.json, each written whole
+                except OSError as e:
+                    raise write_error(
+                        self.out / next(iter(self.tokenizer_files), "vocab.json"), e, sum(map(len, self.tokenizer_files.values()))
+                    ) from None
         init_trackers(accelerator, cfg.tracker, cfg.to_dict(), self.out, self.state.run_id)
         position, notice = position_for(self.state.data_position, self.engine.dp_size, self.engine.dp_rank)
         if notice:  # a stream saved by another number of data-parallel ranks
@@ -293,12 +293,17 @@ class Trainer:
         if not self.accelerator.is_main_process:
             return
         final = self.ckpt_root / checkpoint.checkpoint_name(cfg.train.max_steps)
-        export(final if final.is_dir() else self.resume_from, out)  # model.safetensors, one whole tensor at a time
+        source = final if final.is_dir() else self.resume_from
+        try:
+            export(source, out)  # model.safetensors, one whole tensor at a time
+        except OSError as e:  # a full disk: export() writes model.safetensors.tmp, then renames it
+            (out / "model.safetensors.tmp").unlink(missing_ok=True)
+            raise write_error(out / "model.safetensors", e, sum(w.nbytes for w in checkpoint_weights(source).values())) from None
         own_format = getattr(MODELS[cfg.model.name], "export", None)  # a model from elsewhere saves its own format too
         if own_format is not None:  # from the whole model just written (save_pretrained takes it in memory)
             say(f"[parallel_train] {own_format(cfg.model, load_weights(out), out / 'hf', self.data.vocab)}")
         summary = {**self.summary(), **engine_summary}
-        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        write_atomic(out / "summary.json", json.dumps(summary, indent=1))
         say(f"[parallel_train] loss curves: {plot_runs([out], out / PICTURE)}")
         say(
             f"[parallel_train] done: {cfg.train.max_steps} steps, val loss {fmt(self.state.final_val_loss)}, "
@@ -335,6 +340,7 @@ class Trainer:
         if finished_cleanly:
             self.accelerator.wait_for_everyone()
             finish_trackers(self.accelerator, self.cfg.tracker, self.out, self.state.run_id, say)  # also destroys the process group
+        self.lock.release()  # last: nothing is written to output_dir after it (a SIGKILL releases it too, through the OS)
 
 
 def run(cfg: Config, config_path: str | None) -> int:
