@@ -103,7 +103,11 @@ CASES = [
     ("data_empty", ["data.path={files}/empty.txt"], "is empty"),
     ("data_binary", ["data.path={files}/binary.txt"], "is not UTF-8 text (a binary file?)"),
     ("data_too_short", ["data.path={files}/short.txt", "resume=none", "output_dir={files}/new_out"], "is too short"),
-    ("data_column_missing", ["data.path={files}/rows.jsonl", "data.text_column=content"], "data.text_column: 'content' is not a column"),
+    (
+        "data_column_missing",
+        ["data.path={files}/rows.jsonl", "data.text_column=content", "resume=none", "output_dir={files}/new_out"],
+        "data.text_column: 'content' is not a column",
+    ),
     ("data_hub_offline", ["data.path=no-such-user/no-such-dataset"], "data.path: could not load"),
     ("data_outside_vocab", ["data.path={files}/new_chars.txt"], "vocab"),
     ("prepared_other_tokenizer", ["data.path={files}/prepared_byte"], "the resumed run was trained with another tokenizer"),
@@ -111,7 +115,8 @@ CASES = [
     ("resume_path_missing", ["resume={files}/no_such_checkpoint"], "resume: no such checkpoint"),
     ("resume_not_a_checkpoint", ["resume={files}/not_a_checkpoint"], "is not a valid checkpoint (no manifest.json"),
     ("resume_none_over_a_run", ["resume=none"], "already holds a run"),
-    ("resume_other_model", ["model.n_embd=64"], "does not fit this model"),
+    ("resume_other_model", ["model.n_embd=64"], "resume: model.n_embd (32 in the checkpoint, 64 now) cannot change"),
+    ("resume_other_optimizer_setting", ["train.beta2=0.95"], "keys that may: train.max_steps, train.learning_rate"),
     # An environment left over from another launch, with no launcher (launch_env.py): the four cases of issue 21.
     ("leaked_rank", ["model.n_layers=2"], "the environment says RANK=1, but WORLD_SIZE is not above 1", {"RANK": "1"}),
     (

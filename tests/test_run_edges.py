@@ -1,5 +1,6 @@
 """The promises at the edges a user reaches after a crash, a requeue or a misconfigured node: resume=auto never starts
-a run over, one run per output_dir, full disks and torn files, one resume choice for every rank, a user error from any rank.
+a run over, one run per output_dir, full disks and torn files, what may change on resume, one resume choice for
+every rank, a user error from any rank.
 
 Real processes where processes matter (several ranks, a second launch, a full disk); in this process where they add
 nothing: a tiny run trains and resumes in a second or two through cli.main, as `python train.py` would.
@@ -24,8 +25,10 @@ from safetensors.torch import load_file
 from helpers import REPO, TINY, check, launch_env, read_metrics, run, snapshot, torchrun_cmd, train_cmd
 from parallel_train import checkpoint, errors, faults
 from parallel_train.checkpoint_manifest import verifiers, verify
+from parallel_train.config import load_config
 from parallel_train.errors import UserError
 from parallel_train.launch_env import check_launch_env
+from parallel_train.optim import lr_at
 from parallel_train.output_dir import LOCK, RunLock
 from parallel_train.weights_export import load_weights
 
@@ -112,6 +115,31 @@ def test_a_torn_last_metrics_line_is_dropped_and_a_bad_line_stops_before_anythin
     outcome, _ = train_here(capsys, "train.max_steps=8", f"output_dir={bad}")
     assert "metrics.jsonl: line 3 is not a JSON record" in outcome and "\n" not in outcome
     assert snapshot(bad) == before  # config.yaml included: it is written only after metrics.jsonl was read
+
+
+# ---------------------------------------------------------------- what may change on resume
+
+
+def test_a_new_learning_rate_applies_from_the_resumed_step_and_config_yaml_says_so(finished, tmp_path, capsys):
+    out = copy_of(finished, tmp_path)
+    new = ("train.max_steps=9", "train.learning_rate=0.003", "train.lr_decay_steps=9")
+    outcome, printed = train_here(capsys, *new, f"output_dir={out}")
+    assert outcome == "ok", printed
+    assert "notice: resumed with train.learning_rate 0.001 -> 0.003, train.lr_decay_steps 6 -> 9, train.max_steps 6 -> 9" in printed
+    cfg = load_config([*TINY, *new])[0].train
+    logged = {r["step"]: r["lr"] for r in read_metrics(out) if r["kind"] == "train"}
+    for step in range(7, 10):  # the LR logged at step k is the one step k used: lr_at(k - 1) of the new schedule
+        assert logged[step] == pytest.approx(lr_at(step - 1, cfg), rel=1e-12), (step, logged)
+    assert "learning_rate: 0.003" in (out / "config.yaml").read_text()
+    assert "learning_rate: 0.003" in (out / "checkpoints" / "step_0000009" / "config.yaml").read_text()
+
+
+def test_the_keys_that_may_change_on_resume_are_the_documented_ones():
+    from helpers import doc_section
+    from parallel_train.resume_config import MAY_CHANGE
+
+    section = doc_section("configuration", "What may change on resume")
+    assert all(f"`{key}`" in section for key in MAY_CHANGE), [k for k in MAY_CHANGE if f"`{k}`" not in section]
 
 
 # ---------------------------------------------------------------- one run per output_dir

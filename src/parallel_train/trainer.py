@@ -34,6 +34,7 @@ from parallel_train.output_dir import check_output_dir, lock_output_dir
 from parallel_train.perf import Throughput, configure_backends, mfu, peak_flops, process_age_s
 from parallel_train.plots import PICTURE, plot_runs
 from parallel_train.resume import choose_checkpoint
+from parallel_train.resume_config import SCHEDULE, apply_schedule, change_notice, config_changes
 from parallel_train.streaming_data import gather_positions, position_for
 from parallel_train.tokenization import load_saved
 from parallel_train.topology import build_engine, describe
@@ -100,6 +101,8 @@ class Trainer:
         """The checkpoint to continue from (every rank the same), then the banner, model, engine and outputs."""
         cfg = self.cfg
         self.resume_from = choose_checkpoint(cfg.resume, self.ckpt_root, warn=lambda m: say(f"warning: {m}"))
+        # Keys that may change on resume apply from the resumed step; any other change stops here (resume_config.py).
+        self.changes = config_changes(self.resume_from, cfg) if self.resume_from else {}
         self.device = self.accelerator.device
         configure_backends(cfg.train, self.device)
         say(
@@ -135,6 +138,10 @@ class Trainer:
         if self.resume_from is not None:
             self.state = checkpoint.load(self.resume_from, self.engine, self.scheduler)
             say(f"[parallel_train] resumed from {self.resume_from} at step {self.state.step}")
+            if any(key in SCHEDULE for key in self.changes):
+                apply_schedule(self.scheduler, self.cfg.train.learning_rate)
+            if notice := change_notice(self.changes, self.state.step):
+                say(notice)
             notice = checkpoint.topology_notice(self.state, self.accelerator.num_processes, self.global_batch)
             if notice:
                 say(notice)
@@ -154,7 +161,7 @@ class Trainer:
         self.metrics = MetricsLog(self.out / "metrics.jsonl", accelerator, cfg.tracker)
         self.metrics.truncate_after(self.start_step, say)  # first: a metrics.jsonl it cannot read stops the run before any write
         if accelerator.is_main_process:
-            write_atomic(self.out / "config.yaml", self.config_yaml)  # whole or not at all (a full disk)
+            write_atomic(self.out / "config.yaml", self.config_yaml)  # what runs, LR changed on resume included
             if self.data.vocab is not None:
                 try:
                     self.data.vocab.save(self.out)  # vocab.json or tokenizer.json, each written whole
