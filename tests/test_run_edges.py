@@ -216,6 +216,19 @@ def test_a_full_disk_stops_the_run_in_one_line_and_it_resumes_once_space_is_free
         subprocess.run(["umount", str(disk)], capture_output=True)
 
 
+def test_a_failed_metrics_write_is_one_line_naming_the_file_and_the_space(tmp_path):
+    """/dev/full answers every write with ENOSPC, a full disk without root."""
+    from types import SimpleNamespace
+
+    from parallel_train.tracking import MetricsLog
+
+    metrics, record = MetricsLog(Path("/dev/full"), SimpleNamespace(is_main_process=True), "none"), {"kind": "train", "step": 1}
+    with pytest.raises(UserError) as failed:
+        metrics.log(record)
+    line, size = str(failed.value), len(json.dumps(record)) + 1
+    assert line.startswith(f"writing /dev/full failed (No space left on device): it needs {size} B,") and "free on its file system" in line
+
+
 def test_ranks_agree_on_one_resume_and_on_a_full_disk(tmp_path):
     """Three launches of 2 processes, one story:
     1. rank 1's part of checkpoint 6 hits a full disk in the background write (checkpoint.async): every rank stops
@@ -269,11 +282,11 @@ def test_a_user_error_on_one_rank_is_printed_by_that_rank(tmp_path):
     well within parallel.timeout_s. (Before, errors were printed by rank 0 only: this run said nothing.)"""
     started = time.monotonic()
     result = run(
-        torchrun_cmd(2, *TINY, "parallel.timeout_s=90", f"output_dir={tmp_path / 'run'}"),
+        torchrun_cmd(2, *TINY, "parallel.timeout_s=60", f"output_dir={tmp_path / 'run'}"),
         env=launch_env(tmp_path, **{faults.ENV: "user_error@2:rank=1"}),
     )
     lines = [line for line in result.stderr.splitlines() if "[fault] a user error" in line]
-    assert result.returncode != 0 and time.monotonic() - started < 90, result.output[-3000:]
+    assert result.returncode != 0 and time.monotonic() - started < 60, result.output[-3000:]
     assert len(lines) == 1 and lines[0].startswith("error: rank 1 (host ") and "rank 1 only, at step 2" in lines[0], result.output[-3000:]
 
 
