@@ -182,6 +182,27 @@ def test_a_second_launch_into_a_running_folder_stops_naming_the_holder(tmp_path)
     assert not (out / LOCK).exists()
 
 
+def test_a_file_system_without_locks_is_said_once_and_the_run_goes_on(tmp_path, monkeypatch):
+    """Lustre without -o flock answers flock with ENOSYS, NFS mounted nolock with ENOLCK: one warning, no error."""
+    import errno
+    import fcntl
+
+    from parallel_train.output_dir import lock_output_dir
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    said: list[str] = []
+    lock = lock_output_dir(tmp_path, True, said.append)
+    assert said == [
+        f"warning: output_dir {tmp_path} cannot be locked (Function not implemented): nothing stops a second run from writing there"
+    ]
+    assert json.loads((tmp_path / LOCK).read_text())["pid"]  # it still says who runs here
+    lock.release()
+    assert not (tmp_path / LOCK).exists()
+
+
 # ---------------------------------------------------------------- full disks
 
 

@@ -119,8 +119,8 @@ def user_error(step: int) -> None:
 
 def in_shard_write(path: str) -> None:
     """Called by checkpoint_storage.py before this rank writes a tensor file (`.../.tmp-step_0000006/shards/...`)."""
-    found = re.search(r"step_(\d+)", path) if FAULTS else None
-    if found and _fire("enospc", int(found.group(1))):
+    found = re.findall(r"step_(\d+)", path) if FAULTS else None  # the last one: output_dir may hold "step_" too
+    if found and _fire("enospc", int(found[-1])):
         print(f"[fault] ENOSPC writing {path} on rank {os.environ.get('RANK', '0')}", flush=True)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 

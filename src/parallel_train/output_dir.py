@@ -66,12 +66,13 @@ class RunLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
+                if e.errno in NO_LOCKS:  # no lock, but the file still says who runs here; removed at the end as usual
+                    _record(fd)
+                    return cls(path, fd), f"unsupported: {e.strerror}"
                 holder = _holder(fd)
                 os.close(fd)
                 if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                     return cls(path, None), f"busy: {holder}"
-                if e.errno in NO_LOCKS:
-                    return cls(path, None), f"unsupported: {e.strerror}"
                 raise
             if _same_file(fd, path):
                 _record(fd)
