@@ -107,7 +107,6 @@ CASES = [
         ["parallel.stage_devices=[cpu,cpu,cpu]", "parallel.pipeline_stages=2"],
         "parallel.stage_devices: 3 devices given for 2",
     ),
-    ("fp16_on_cpu", ["train.mixed_precision=fp16"], "fp16 needs a GPU"),
     ("data_missing", ["data.path={files}/missing.txt"], "data.path: no such file"),
     ("data_empty", ["data.path={files}/empty.txt"], "is empty"),
     ("data_binary", ["data.path={files}/binary.txt"], "is not UTF-8 text (a binary file?)"),

@@ -116,6 +116,6 @@ def test_val_set_is_fixed():
     cfg = Config()
     cfg.eval.iters = 3
     data = build_datasets(cfg)
-    first = [torch.cat([x.flatten() for x, _ in val_loader(data, cfg)])]
-    again = [torch.cat([x.flatten() for x, _ in val_loader(data, cfg)])]
+    first = [torch.cat([x.flatten() for x, _ in val_loader(data, cfg, 1)])]
+    again = [torch.cat([x.flatten() for x, _ in val_loader(data, cfg, 1)])]
     assert torch.equal(first[0], again[0]) and first[0].numel() == 3 * 12 * 64

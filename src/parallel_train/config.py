@@ -47,6 +47,9 @@ class DataConfig:
     text_column: str = opt("text", "column holding the text in json/csv/parquet/Hub datasets")
     val_fraction: float = opt(0.1, "share of the corpus held out for validation (the last part)", above=0.0, below=1.0)
     num_samples: int = opt(64, "random data: number of samples; synthetic data: tokens in the train split", min=1)
+    synthetic_padding: bool = opt(
+        False, "synthetic data: each sample keeps a random number of targets and pads the rest (-100), as padded chat data does"
+    )
     num_workers: int = opt(0, "DataLoader worker processes per rank (0: load in the training process)", min=0, max=1024)
 
 
@@ -79,7 +82,12 @@ class TrainConfig:
 class EvalConfig:
     interval: int = opt(250, "optimizer steps between evaluations (0: only at the end)", min=0)
     iters: int = opt(200, "validation batches per evaluation (fixed windows, same at every eval)", min=1)
-    batch_size: int = opt(0, "samples per validation batch (0: train.batch_size); iters x batch_size = the eval set", min=0)
+    batch_size: int = opt(
+        0,
+        "samples per validation batch across all data-parallel ranks (0: train.batch_size x data-parallel ranks); "
+        "iters x batch_size = the eval set, the same on every layout",
+        min=0,
+    )
 
 
 @dataclass
@@ -112,6 +120,11 @@ class ParallelConfig:
         "'tok_emb,pos_emb,blocks.0..1|blocks.2..3,ln_f,head'",
     )
     stages_per_rank: int = opt(2, "interleaved1f1b, interleavedzb: model stages each pipeline rank holds (zbv, dualpipev: 2)", min=1)
+    reduce_every_microstep: bool = opt(
+        False,
+        "FSDP2 with accumulation: reduce-scatter gradients after every micro-step (sharded gradients only, A x the "
+        "communication); false: once per optimizer step (holds unsharded gradients until then)",
+    )
     # datetime.timedelta and the collectives' C++ millisecond timeouts accept this much.
     timeout_s: int = opt(1800, "seconds a collective may wait before the run fails", min=1, max=10**8)
 

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from parallel_train.batch_sampler import GlobalBatchSampler
 from parallel_train.config import Config, DataConfig
 from parallel_train.errors import UserError
+from parallel_train.losses import IGNORE_INDEX
 from parallel_train.permutation import SeededPermutation
 from parallel_train.tokenization import ByteVocab, Tokenizer, load_tokenizer, needs_corpus
 
@@ -94,6 +95,23 @@ class TokenWindows(Dataset):
         return windows[:, :-1], windows[:, 1:]
 
 
+class PaddedWindows(TokenWindows):
+    """TokenWindows whose samples end early: sample i keeps its first 1 + (i * 7919) % block_size targets and the
+    rest are IGNORE_INDEX, as in a batch of padded answers of different lengths (data.synthetic_padding)."""
+
+    def _mask(self, indices: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        keep = 1 + (indices * 7919) % self.block_size
+        return y.masked_fill(torch.arange(self.block_size) >= keep.unsqueeze(-1), IGNORE_INDEX)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = super().__getitem__(i)
+        return x, self._mask(torch.tensor(i), y)
+
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = super().__getitems__(indices)
+        return x, self._mask(torch.as_tensor(indices), y)
+
+
 class RandomClassification(Dataset):
     """Random inputs and labels: the classic seed example's data (e.g. 64 x 10 inputs, 10 classes)."""
 
@@ -137,6 +155,10 @@ class Data:
     # Streamed data (streaming_data.py): (world, rank, saved position or None) -> this rank's batches, an
     # iterator with state_dict(); the trainer saves that position in every checkpoint.
     train_stream: Callable[[int, int, Any], Iterator] | None = None
+    # No target is IGNORE_INDEX (losses.py): windows of text, class labels. The optimizer step then knows its
+    # count of valid targets without asking the other ranks (step.py); False (the safe default for a source you
+    # add) counts them, one all-reduce of one number per step.
+    all_targets_count: bool = False
 
 
 def collate_fn(data: Data, dataset: Dataset) -> Callable:
@@ -202,7 +224,13 @@ def build_datasets(cfg: Config, vocab: Tokenizer | None = None) -> Data:
             f"data.path: {d.path!r} is too short: {len(ids)} tokens give {len(val_ids)} validation tokens, "
             f"need at least {need} for model.block_size={m.block_size}; use a longer corpus or a smaller block_size"
         )
-    return Data(TokenWindows(train_ids, m.block_size), TokenWindows(val_ids, m.block_size), vocab, vocab_size_for(vocab, cfg))
+    return Data(
+        TokenWindows(train_ids, m.block_size),
+        TokenWindows(val_ids, m.block_size),
+        vocab,
+        vocab_size_for(vocab, cfg),
+        all_targets_count=True,
+    )
 
 
 def random_classification(cfg: Config) -> Data:
@@ -216,14 +244,15 @@ def random_classification(cfg: Config) -> Data:
         )
     train = RandomClassification(d.num_samples, in_features, classes, seed=cfg.train.seed)
     val = RandomClassification(d.num_samples, in_features, classes, seed=cfg.train.seed + 1)
-    return Data(train, val, None, classes)
+    return Data(train, val, None, classes, all_targets_count=True)
 
 
 def synthetic_data(cfg: Config) -> Data:
     """Uniformly random token ids (data.path=synthetic): speed benchmarks with no download and no tokenizer.
 
     The loss stays near ln(vocab_size): there is nothing to learn. The vocabulary is model.vocab_size
-    (or 256, the byte vocabulary); the train split holds data.num_samples tokens (at least two windows).
+    (or 256, the byte vocabulary); the train split holds data.num_samples tokens (at least two windows). With
+    data.synthetic_padding each sample's targets end early (PaddedWindows): batches of uneven valid tokens.
     """
     d, m = cfg.data, cfg.model
     vocab_size = m.vocab_size or ByteVocab.size
@@ -231,7 +260,9 @@ def synthetic_data(cfg: Config) -> Data:
     n_train = max(d.num_samples, m.block_size + 2)
     n_val = max(int(n_train * d.val_fraction), m.block_size + 2)
     ids = torch.randint(0, vocab_size, (n_train + n_val,), generator=g)
-    return Data(TokenWindows(ids[:n_train], m.block_size), TokenWindows(ids[n_train:], m.block_size), None, vocab_size)
+    windows = PaddedWindows if d.synthetic_padding else TokenWindows
+    train, val = windows(ids[:n_train], m.block_size), windows(ids[n_train:], m.block_size)
+    return Data(train, val, None, vocab_size, all_targets_count=not d.synthetic_padding)
 
 
 def train_loader(
@@ -263,13 +294,17 @@ def train_loader(
     )
 
 
-def val_loader(data: Data, cfg: Config) -> DataLoader:
-    """A fixed set of eval.iters x eval.batch_size validation samples, the same at every evaluation and topology.
+def eval_batch_size(cfg: Config, dp_size: int) -> int:
+    """Samples per validation batch, across all data-parallel ranks: eval.batch_size, else the samples of one
+    micro-step of the global batch (train.batch_size x data-parallel ranks), which is the same number on every
+    layout of one global batch: 1 x 8 and 2 x 4 evaluate the same samples."""
+    return cfg.eval.batch_size or cfg.train.batch_size * dp_size
 
-    Not sharded here: `accelerator.prepare` shards it, and `gather_for_metrics` drops the samples it
-    repeats to even out the last batch, so every sample counts exactly once.
-    """
-    batch_size = cfg.eval.batch_size or cfg.train.batch_size
+
+def val_loader(data: Data, cfg: Config, dp_size: int) -> DataLoader:
+    """A fixed set of eval.iters global batches of validation samples, the same at every evaluation; each
+    global batch is split across the data-parallel ranks by evaluation.py, so every sample counts exactly once."""
+    batch_size = eval_batch_size(cfg, dp_size)
     n_eval = cfg.eval.iters * batch_size
     g = torch.Generator().manual_seed(cfg.train.seed + 7919)
     n = len(data.val_set)

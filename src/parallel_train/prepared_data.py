@@ -279,4 +279,4 @@ def load_prepared(cfg: Config, saved: Tokenizer | None = None) -> Data:
             f"data.path: {folder} is too short for model.block_size={T}: {splits['train']['tokens']:,} train and "
             f"{splits['val']['tokens']:,} validation tokens, each split needs at least {T + 1}"
         )
-    return Data(train, val, tokenizer, vocab_size, order="seeded", description=info.describe())
+    return Data(train, val, tokenizer, vocab_size, order="seeded", description=info.describe(), all_targets_count=True)

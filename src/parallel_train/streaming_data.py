@@ -256,7 +256,13 @@ def load_stream(cfg: Config, saved: Tokenizer | None = None) -> Data:
         f"streaming {cfg.data.path} ({'documents' if documents else 'text lines'}), tokenizer {cfg.data.tokenizer} ({tokenizer.size:,} ids)"
     )
     return Data(
-        None, FixedWindows(torch.from_numpy(np.stack(windows))), tokenizer, vocab_size, train_stream=train_stream, description=described
+        None,
+        FixedWindows(torch.from_numpy(np.stack(windows))),
+        tokenizer,
+        vocab_size,
+        train_stream=train_stream,
+        description=described,
+        all_targets_count=True,
     )
 
 

@@ -32,6 +32,11 @@ class SeedMLP(nn.Module):
         self.act = nn.ReLU()
         self.fc2 = nn.Linear(cfg.hidden, cfg.out_features)
 
+    def init_weights(self, name: str, module: nn.Module) -> None:
+        """torch's own initialisation of one layer (model_init.py calls it under a seed keyed by the layer's name)."""
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for part in (self.fc1, self.act, self.fc2):
             if part is not None:  # a pipeline stage keeps only some parts
