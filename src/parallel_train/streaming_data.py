@@ -31,7 +31,8 @@ import torch
 from torch.utils.data import Dataset
 
 from parallel_train.config import Config
-from parallel_train.data import LOCAL_FORMATS, Data, check_resumed_tokenizer, loading_error, vocab_size_for
+from parallel_train.data import Data, check_resumed_tokenizer, vocab_size_for
+from parallel_train.data_inputs import LOCAL_FORMATS, loading_error
 from parallel_train.errors import UserError
 from parallel_train.tokenization import Tokenizer, load_tokenizer, needs_corpus
 
