@@ -120,3 +120,30 @@ def test_the_in_memory_corpus_takes_every_kind_and_keeps_a_resumed_runs(tmp_path
     cfg.data.tokenizer = "char"
     with pytest.raises(UserError, match="resume with data.tokenizer=the bpe:N or tokenizer.json it was started with"):
         build_datasets(cfg, bpe)
+
+
+def test_a_tokenizer_json_whose_unk_token_is_missing_is_refused_when_loaded(tmp_path):
+    """tokenizers itself raises only when it meets an unknown word, mid-data, as a bare Exception."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    core = Tokenizer(models.WordLevel({"to": 0, "be": 1}, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(UserError) as e:
+        load_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert str(e.value) == (
+        f"tokenizer {tmp_path / 'tokenizer.json'}: its unk token '[UNK]' is not in its vocabulary; "
+        "add it to model.vocab in the file, or remove unk_token"
+    )
+    with pytest.raises(UserError, match="its unk token"):
+        load_tokenizer(str(tmp_path))  # the folder that holds it
+
+
+def test_a_vocabulary_with_gaps_in_its_ids_sizes_the_model_by_its_largest_id(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    core = Tokenizer(models.WordLevel({"to": 0, "[UNK]": 1, "be": 9}, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = load_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert tokenizer.encode("to be or").tolist() == [0, 9, 1] and tokenizer.size == 10

@@ -54,7 +54,7 @@ def read_corpus(cfg: DataConfig) -> tuple[str, str | None]:
     except UserError:
         raise
     except Exception as e:
-        raise loading_error(e, "data.path", cfg.path) from None
+        raise loading_error(e, "data.path", cfg.path, [cfg.path] if path.is_file() else []) from None
     if "\x00" in text:
         raise UserError(f"data.path: {cfg.path!r} contains NUL bytes; is it a binary file?")
     return text, read
@@ -145,6 +145,8 @@ class Data:
     # Streamed data (streaming_data.py): (world, rank, saved position or None) -> this rank's batches, an
     # iterator with state_dict(); the trainer saves that position in every checkpoint.
     train_stream: Callable[[int, int, Any], Iterator] | None = None
+    # What a batch's inputs are, checked against the model's `inputs` (model_config.py): "token ids" or "feature vectors".
+    inputs: str = "token ids"
 
 
 def collate_fn(data: Data, dataset: Dataset) -> Callable:
@@ -225,7 +227,7 @@ def random_classification(cfg: Config) -> Data:
         )
     train = RandomClassification(d.num_samples, in_features, classes, seed=cfg.train.seed)
     val = RandomClassification(d.num_samples, in_features, classes, seed=cfg.train.seed + 1)
-    return Data(train, val, None, classes)
+    return Data(train, val, None, classes, inputs="feature vectors")
 
 
 def synthetic_data(cfg: Config) -> Data:

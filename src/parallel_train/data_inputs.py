@@ -11,6 +11,7 @@ processes. Rows of json/jsonl/csv/parquet files and of Hub datasets are document
 from __future__ import annotations
 
 import glob
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,8 +23,11 @@ LOCAL_FORMATS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "js
 KINDS = ".txt/.jsonl/.json/.csv/.parquet"
 
 
-def loading_error(e: Exception, key: str, what: str) -> UserError:
-    """One line for an error `datasets` raised while loading `what` (named by config key or option `key`)."""
+def loading_error(e: Exception, key: str, what: str, files: list[str] | tuple[str, ...] = ()) -> UserError:
+    """One line for an error `datasets` raised while loading `what` (named by config key or option `key`); when a
+    json file among `files` holds a malformed row, the line names that file and row."""
+    if (row := bad_json_row(files)) is not None:
+        return UserError(f"{key}: {row}; fix or remove that row")
     first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
     if isinstance(e, UnicodeDecodeError) or isinstance(e.__cause__ or e.__context__, UnicodeDecodeError):  # datasets wraps it
         return UserError(f"{key}: {what!r} is not UTF-8 text (a binary file?)")
@@ -31,6 +35,31 @@ def loading_error(e: Exception, key: str, what: str) -> UserError:
         return UserError(f"{key}: could not load {what!r} ({first})")
     # datasets raises its own error types for malformed json/csv/parquet
     return UserError(f"{key}: could not read {what!r} ({type(e).__name__}: {first})")
+
+
+def bad_json_row(files: list[str] | tuple[str, ...]) -> str | None:
+    """'FILE: the row on line N is not ...' for the first malformed row of the json files among `files`, or None.
+    Read line by line, and only after `datasets` failed: pyarrow's own message counts rows within a block of the
+    file, not from its start."""
+    for file in files:
+        if LOCAL_FORMATS.get(Path(file).suffix.lower()) != "json":
+            continue
+        try:
+            with open(file, encoding="utf-8") as f:
+                for number, line in enumerate(f, start=1):
+                    if not line.strip():
+                        continue
+                    try:
+                        row = json.loads(line)
+                    except ValueError as e:
+                        if number == 1 and file.endswith(".json"):  # one JSON document over many lines, not JSON Lines
+                            break
+                        return f"{file}: the row on line {number} is not valid JSON ({getattr(e, 'msg', e)})"
+                    if not isinstance(row, dict):
+                        return f'{file}: the row on line {number} is not a JSON object ({{"text": ...}})'
+        except (OSError, UnicodeDecodeError):  # unreadable or not text: the caller's message says so
+            continue
+    return None
 
 
 def named(key: str, spec: str) -> str:
@@ -134,7 +163,7 @@ def load_source(src: Source, column: str, cache_dir: Path | None, column_key: st
     except UserError:
         raise
     except Exception as e:
-        raise loading_error(e, src.key, src.label) from None
+        raise loading_error(e, src.key, src.label, src.files) from None
     name = "text" if src.builder == "text" else column
     if name not in ds.column_names:
         raise UserError(f"{column_key}: {column!r} is not a column of {src.label!r}; columns: {', '.join(ds.column_names)}")

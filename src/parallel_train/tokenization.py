@@ -122,8 +122,18 @@ class HFTokenizer(TokenizerFiles):
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
-        self.size = tokenizer.get_vocab_size(with_added_tokens=True)
+        # The largest id + 1, not the number of tokens: a vocabulary with gaps in its ids must still fit the embedding.
+        ids = tokenizer.get_vocab(with_added_tokens=True).values()
+        self.size = max(tokenizer.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
         self.eot = next((i for i in map(tokenizer.token_to_id, END_OF_TEXT) if i is not None), None)
+
+    def problem(self) -> str | None:
+        """What makes this tokenizer fail on some text, or None: an unk token (what an unknown word or character
+        becomes) that its vocabulary lacks, which `tokenizers` reports only when it meets such a word, mid-data."""
+        unk = getattr(self.tokenizer.model, "unk_token", None)
+        if unk is not None and self.tokenizer.token_to_id(unk) is None:
+            return f"its unk token {unk!r} is not in its vocabulary; add it to model.vocab in the file, or remove unk_token"
+        return None
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
@@ -194,9 +204,17 @@ def load_hf_file(path: Path) -> HFTokenizer:
     from tokenizers import Tokenizer as HFCore
 
     try:
-        return HFTokenizer(HFCore.from_file(str(path)))
+        tokenizer = HFTokenizer(HFCore.from_file(str(path)))
     except Exception as e:  # tokenizers raises a bare Exception for malformed files
         raise UserError(f"tokenizer {path}: not a readable tokenizer.json ({str(e).splitlines()[0][:160]})") from None
+    return checked(tokenizer, str(path))
+
+
+def checked(tokenizer: HFTokenizer, where: str) -> HFTokenizer:
+    """The tokenizer, if it can encode any text; else a one-line error naming `where` it came from."""
+    if (problem := tokenizer.problem()) is not None:
+        raise UserError(f"tokenizer {where}: {problem}")
+    return tokenizer
 
 
 def load_saved(folder: Path) -> Tokenizer | None:
@@ -261,7 +279,8 @@ def _from_hub(name: str) -> HFTokenizer:
     from tokenizers import Tokenizer as HFCore
 
     try:
-        return HFTokenizer(HFCore.from_pretrained(name))
+        tokenizer = HFTokenizer(HFCore.from_pretrained(name))
     except Exception as e:  # offline, no such repository, no tokenizer.json in it
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         raise UserError(f"tokenizer {name!r}: not {KINDS} that could be loaded ({first})") from None
+    return checked(tokenizer, repr(name))
