@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from helpers import REPO, launch_env, run
+from parallel_train import data_inputs
 from parallel_train.batch_sampler import GlobalBatchSampler
 from parallel_train.config import Config
 from parallel_train.data_sources import load_data
@@ -94,6 +95,25 @@ def test_the_same_inputs_a_second_time_do_nothing(tmp_path, corpus):
         prep(out, [corpus], tokenizer="byte")
     prep(out, [corpus], tokenizer="byte", overwrite=True)
     assert read_meta(out)[0]["tokenizer"]["spec"] == "byte" and read_meta(out)[0]["splits"]["train"]["tokens"] > 0
+
+
+@pytest.mark.parametrize("tokenizer", ["char", "byte", "bpe:300"])
+def test_a_file_without_line_breaks_is_read_in_bounded_pieces_with_the_same_ids(tmp_path, monkeypatch, tokenizer):
+    """A line longer than PIECE_CHARS is cut into rows of at most that many characters (memory flat in line length):
+    char and byte ids are exactly those of the whole text, even where a stretch without a space is cut at the limit;
+    a BPE's too where every cut falls before a space (docs/data.md says what a cut elsewhere does)."""
+    monkeypatch.setattr(data_inputs, "PIECE_CHARS", 64)
+    text = SHAKESPEARE[:20_000].replace("\n", " ") + "\u00e9\u00e8 " * 40  # multi-byte characters too
+    if tokenizer != "bpe:300":
+        text += "x" * 200  # no space: cut at the limit
+    (tmp_path / "one_line.txt").write_text(text)
+    rows = data_inputs.load_source(data_inputs.resolve_inputs([str(tmp_path / "one_line.txt")])[0], "text", tmp_path / "cache")["text"]
+    assert "".join(rows) == text and max(map(len, rows)) <= 64 and len(rows) > len(text) / 64
+    assert sum(len(r) <= 32 for r in rows) <= 1  # cut in the second half of a piece (only the last may be shorter)
+    meta = prep(tmp_path / "out", [tmp_path / "one_line.txt"], tokenizer=tokenizer, val_fraction=0.5)
+    shards = [tmp_path / "out" / s["file"] for split in ("train", "val") for s in meta["splits"][split]["shards"]]
+    ids = np.concatenate([np.fromfile(f, dtype=meta["dtype"]) for f in shards])
+    assert ids.tolist() == load_tokenizer(tmp_path / "out").encode(text).tolist()
 
 
 def test_documents_of_every_format_end_with_the_end_of_text_token(tmp_path):

@@ -192,7 +192,7 @@ def write_shards(tokenized: list, folder: Path, dtype: str, opts: Options, progr
     chars = {s: 0.0 for s in SPLITS}
     pos = 0
     for ds in tokenized:
-        for table in ds.with_format("arrow").iter(batch_size=64):
+        for table in ds.with_format("arrow").iter(batch_size=4):  # a row holds the ids of up to 1 MB of text
             for ids, n_chars in zip(_rows(table), table.column("chars").to_pylist(), strict=True):
                 cut = min(max(val_start - pos, 0), len(ids))
                 writers["train"].write(ids[:cut])
