@@ -34,8 +34,9 @@ class DataConfig:
     )
     tokenizer: str = opt(
         "char",
-        "char (one id per character), byte (256 ids), bpe:N (byte-level BPE trained on the corpus), a tokenizer.json, a folder "
-        "holding one, or a Hub tokenizer name; prepared data brings its own",
+        "char (one id per character), byte (256 ids), bpe:N (byte-level BPE trained on the corpus), word (one id per "
+        "whitespace-separated word of the corpus), a tokenizer.json, a folder holding one, or a Hub tokenizer name; prepared data "
+        "brings its own",
     )
     streaming: bool = opt(False, "read data.path (a folder of jsonl/parquet files or a Hub dataset) as a stream, tokenizing on the fly")
     verify: str = opt(

@@ -176,10 +176,10 @@ def corpus_tokenizer(spec: str, text: str, saved: Tokenizer | None) -> Tokenizer
 
 def check_resumed_tokenizer(saved: Tokenizer, spec: str) -> None:
     """The resumed run's tokenizer is what data.tokenizer names (of that kind, for the ones built from the corpus)."""
-    if needs_corpus(spec) or spec == "byte":  # char, byte, bpe:N: the saved one must be of that kind
+    if needs_corpus(spec) or spec == "byte":  # char, byte, word, bpe:N: the saved one must be of that kind
         kind = {"char": "char", "byte": "byte"}.get(spec, "hf")
         if saved.kind != kind:
-            used = saved.kind if saved.kind != "hf" else "the bpe:N or tokenizer.json it was started with"
+            used = saved.kind if saved.kind != "hf" else "the bpe:N, word or tokenizer.json it was started with"
             raise UserError(f"data.tokenizer: the resumed run used the {saved.kind} tokenizer; resume with data.tokenizer={used}")
     elif saved.fingerprint != load_tokenizer(spec).fingerprint:
         raise UserError(f"data.tokenizer: the resumed run used another tokenizer than {spec!r}; resume with the one it was started with")

@@ -29,7 +29,7 @@ from parallel_train import faults
 from parallel_train.data_inputs import Source, load_source, resolve_inputs
 from parallel_train.errors import UserError
 from parallel_train.prepared_data import FORMAT, META, SPLITS, VERSION, read_meta, shard_name, shard_problem, token_dtype
-from parallel_train.tokenization import HF_FILE, VOCAB_FILE, Tokenizer, bpe_size, load_tokenizer, needs_corpus
+from parallel_train.tokenization import HF_FILE, VOCAB_FILE, Tokenizer, load_tokenizer, needs_corpus
 
 WORK = ".prepare-work"  # scratch space inside the output folder (datasets' Arrow files), removed at the end
 BATCH_ROWS = 1000  # rows per map batch: about 40 KB of text for a text file's lines
@@ -58,10 +58,10 @@ def text_batches(datasets_: list, rows: int = BATCH_ROWS):
 
 
 def build_tokenizer(spec: str, texts: list, num_proc: int) -> Tokenizer:
-    """A tokenizer that needs the corpus (char, bpe:N) is built from `texts`; the others are loaded."""
+    """A tokenizer that needs the corpus (char, word, bpe:N) is built from `texts`; the others are loaded."""
     if not needs_corpus(spec):
         return load_tokenizer(spec)
-    if bpe_size(spec) is not None:
+    if spec != "char":  # trained by `tokenizers` from batches of texts
         return load_tokenizer(spec, corpus=lambda: text_batches(texts))
     sets = [ds.map(_chars_of, batched=True, batch_size=BATCH_ROWS, num_proc=_procs(ds, num_proc), remove_columns=["text"], desc="characters")
             for ds in texts]  # fmt: skip
