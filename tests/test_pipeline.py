@@ -62,7 +62,10 @@ def test_explicit_split_with_ranges_and_left_out_dropout():
 
 def test_time_split_balances_measured_time_not_parameters():
     """A GPT-2-like imbalance: the 50k-token embedding holds most parameters and costs little; the output layer
-    (as large) is by far the most expensive unit. split=time measures that and gives the head a stage alone."""
+    (as large) is by far the most expensive unit. split=time gives the head a stage alone. The planning is checked
+    on fixed times in the measured proportions (the head costs more than the four blocks together, the embedding
+    little), the measurement for its shape only: a ratio of measured times depends on the machine and its load, so
+    it is measured, not asserted (docs/pipelines.md, "Parameters are a poor guide": the head 80% of the time)."""
     from parallel_train.model_init import start_model
     from parallel_train.models.gpt import GPT
     from parallel_train.pipeline.cost import unit_times
@@ -70,10 +73,9 @@ def test_time_split_balances_measured_time_not_parameters():
     model, init = start_model(GPT, GPTConfig(n_layer=4, n_head=2, n_embd=32, block_size=16), 50_000, seed=0)  # on meta
     units = list(model_units(model))
     x = torch.randint(0, 50_000, (4, 16))
-    # The fastest of 3 measurements per unit: a busy machine (CI runners, other jobs) can stall any one of them.
-    runs = [unit_times(model, units, x, x, torch.device("cpu"), init) for _ in range(3)]
-    seconds = {unit: min(times) for unit, times in zip(units, zip(*runs, strict=True), strict=True)}
-    assert max(seconds, key=seconds.get) == "head" and seconds["head"] > 3 * seconds["tok_emb"], seconds
+    measured = unit_times(model, units, x, x, torch.device("cpu"), init)
+    assert len(measured) == len(units) and all(t >= 0 for t in measured)
+    seconds = dict.fromkeys(units, 1e-5) | {f"blocks.{i}": 1e-3 for i in range(4)} | {"tok_emb": 1e-4, "head": 5e-3}
     stages = plan_stages(model, 2, "time", lambda names: [seconds[n] for n in names])
     # The head alone (ln_f, near free, may join it): every block on stage 0. auto (parameters) cuts between blocks.
     assert stages[1][-1] == "head" and not any(n.startswith("blocks.") for n in stages[1]), stages

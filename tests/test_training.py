@@ -109,6 +109,9 @@ def test_resume_continues_the_step_count_exactly(runs):
 
 
 def test_seed_mlp_example_on_two_processes(tmp_path):
+    # Two --config files merge in order, the later one winning; the start banner names both.
+    (tmp_path / "two_processes.yaml").write_text("train:\n  batch_size: 32\n  max_steps: 20\n")
+    out = tmp_path / "out"
     r = check(
         run(
             # model.n_embd is GPT's key: the MLP ignores it (one notice) instead of failing on GPT's n_head rule
@@ -116,19 +119,20 @@ def test_seed_mlp_example_on_two_processes(tmp_path):
                 2,
                 "--config",
                 "configs/seed_mlp.yaml",
-                "train.batch_size=32",
-                "train.max_steps=20",
+                "--config",
+                str(tmp_path / "two_processes.yaml"),
                 "model.n_embd=130",
-                f"output_dir={tmp_path}",
+                f"output_dir={out}",
             ),
             env=launch_env(tmp_path),
         )
     )
-    s = summary(tmp_path)
+    s = summary(out)
     assert s["world_size"] == 2 and s["steps"] == 20
-    losses = train_losses(tmp_path)
+    losses = train_losses(out)
     assert losses[20] < losses[10]
     assert "2 processes (MULTI_CPU" in r.output and "engine: data parallel" in r.output
+    assert f"config configs/seed_mlp.yaml + {tmp_path / 'two_processes.yaml'} |" in r.output
     assert r.stderr.count("notice: ignoring model.n_embd (a key of model.name=gpt)") == 1
 
 

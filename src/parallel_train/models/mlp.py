@@ -21,6 +21,7 @@ class MLPConfig(ModelConfig):
     in_features: int = opt(10, "input width", min=1)
     hidden: int = opt(50, "hidden width", min=1)
     out_features: int = opt(10, "number of classes", min=1)
+    inputs = "feature vectors"  # float rows of in_features values, not token ids
 
 
 class SeedMLP(nn.Module):
