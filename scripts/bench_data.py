@@ -112,7 +112,7 @@ cfg, _ = load_config(["data.path={path}"])
 t = time.perf_counter()
 data = load_data(cfg)
 next(iter(train_loader(data, cfg, 1, 0, 0, pin_memory=False)))
-val_loader(data, cfg)
+val_loader(data, cfg, 1)
 print(json.dumps(time.perf_counter() - t))
 """], cwd=REPO, env=env(), capture_output=True, text=True, check=True)  # fmt: skip
     return round(json.loads(out.stdout.strip().splitlines()[-1]), 2)

@@ -52,7 +52,9 @@ def main() -> int:
 
     if not args.checkpoint.is_dir():
         raise UserError(f"{args.checkpoint}: no such folder; give a checkpoints/step_* folder or a run's output_dir")
-    folder = choose_checkpoint(str(args.checkpoint), args.checkpoint / "checkpoints", warn=lambda m: print(f"warning: {m}", file=sys.stderr))
+    folder = choose_checkpoint(
+        str(args.checkpoint), args.checkpoint / "checkpoints", warn=lambda m: print(f"warning: {m}", file=sys.stderr)
+    )
     if args.out_dir.exists() and not args.out_dir.is_dir():
         raise UserError(f"{args.out_dir}: is a file; give a folder")
     for path in export(folder, args.out_dir, limit):

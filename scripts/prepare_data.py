@@ -7,7 +7,8 @@
 
 Inputs: .txt/.jsonl/.json/.csv/.parquet files, globs, a folder laid out like a Hub dataset (its train files),
 or a Hub dataset name (online only). Tokenizers: char, byte, bpe:N (a byte-level BPE of N ids trained on the
-inputs), a tokenizer.json or a folder holding one, or a Hub tokenizer name (online only). A second run with
+inputs), word (one id per whitespace-separated word of the inputs, <eos> at line ends), a tokenizer.json or a
+folder holding one, or a Hub tokenizer name (online only). A second run with
 the same inputs and options does nothing. The format: src/parallel_train/prepared_data.py; docs/data.md.
 """
 
@@ -32,7 +33,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--input", action="append", required=True, help="a file, a glob, a dataset folder or a Hub dataset; repeat for more")
     p.add_argument("--output", type=Path, required=True, help="folder to write (train.py data.path=OUTPUT)")
-    p.add_argument("--tokenizer", required=True, help="char, byte, bpe:N, a tokenizer.json or folder, or a Hub tokenizer name")
+    p.add_argument("--tokenizer", required=True, help="char, byte, bpe:N, word, a tokenizer.json or folder, or a Hub tokenizer name")
     p.add_argument("--text_column", default="text", help="column holding the text in json/csv/parquet/Hub data")
     p.add_argument("--val_fraction", type=float, default=0.1, help="share of the tokens (the last ones) held out for validation")
     p.add_argument("--num_proc", type=int, default=min(8, os.cpu_count() or 1), help="tokenizing processes")

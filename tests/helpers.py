@@ -1,4 +1,9 @@
-"""Run real launches from tests: own process group, hard timeout that kills every child."""
+"""Run real launches from tests: own process group, hard timeout that kills every child.
+
+A launch's timeout is capped so that it ends before pytest-timeout stops the test (conftest.py records when that
+would be): pytest-timeout interrupts the test, not the launch, and a launch it interrupted would keep running. Any
+interruption of the wait (pytest-timeout's signal, Ctrl-C) also kills the launched process groups.
+"""
 
 from __future__ import annotations
 
@@ -52,43 +57,74 @@ def launch_env(tmp_path: Path | None = None, **extra: str) -> dict[str, str]:
     return env
 
 
+# When pytest-timeout would stop the current test (time.monotonic()), set by conftest.py; None: no limit.
+TEST_DEADLINE: float | None = None
+MARGIN_S = 30.0  # a launch is killed this long before that, so that the test fails on the harness's terms
+
+
+def launch_limit(timeout: float) -> tuple[float, str]:
+    """(the seconds a launch may run, why it is less than asked): its own timeout, capped to end MARGIN_S before
+    pytest-timeout stops the test."""
+    if TEST_DEADLINE is None:
+        return timeout, ""
+    left = TEST_DEADLINE - MARGIN_S - time.monotonic()
+    if left >= timeout:
+        return timeout, ""
+    return max(1.0, left), " (capped to end before pytest-timeout stops the test)"
+
+
+def kill_groups(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+
+
 def run(cmd: list[str], timeout: float = 300, env: dict[str, str] | None = None, cwd: Path = REPO) -> Result:
     """Run cmd in its own session; on timeout kill the whole process group and fail loudly."""
+    limit, why = launch_limit(timeout)
     proc = subprocess.Popen(
         cmd, cwd=cwd, env=env or launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
     try:
-        out, err = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_groups([proc])
         out, err = proc.communicate()
-        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-3000:]}") from None
+        raise AssertionError(
+            f"timed out after {limit:.0f}s{why}: {' '.join(cmd)}\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-3000:]}"
+        ) from None
+    except BaseException:  # the wait was interrupted (pytest-timeout, Ctrl-C): the launch must not outlive it
+        kill_groups([proc])
+        raise
     return Result(proc.returncode, out, err)
 
 
 def run_together(cmds: list[list[str]], envs: list[dict[str, str]], timeout: float = 300, cwd: Path = REPO) -> list[Result]:
     """Run several launches at once (e.g. one per "node"); on timeout kill every process group and fail loudly."""
+    limit, why = launch_limit(timeout)
     procs = [
         subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         for cmd, env in zip(cmds, envs, strict=True)
     ]
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + limit
 
     def wait(proc: subprocess.Popen) -> tuple[str, str, bool]:
         try:  # a thread each: every pipe is drained while the others run
             return *proc.communicate(timeout=max(0.1, deadline - time.monotonic())), False
         except subprocess.TimeoutExpired:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
+            kill_groups(procs)
             return *proc.communicate(), True
 
-    with ThreadPoolExecutor(len(procs)) as pool:
-        outcomes = list(pool.map(wait, procs))
+    try:
+        with ThreadPoolExecutor(len(procs)) as pool:
+            outcomes = list(pool.map(wait, procs))
+    except BaseException:  # interrupted (pytest-timeout, Ctrl-C): no launch outlives the wait
+        kill_groups(procs)
+        raise
     results = [Result(proc.returncode, out, err) for proc, (out, err, _) in zip(procs, outcomes, strict=True)]
     if any(late for _, _, late in outcomes):
         logs = "\n".join(f"--- launch {i}\n{r.output[-3000:]}" for i, r in enumerate(results))
-        raise AssertionError(f"timed out after {timeout}s: {len(cmds)} concurrent launches\n{logs}")
+        raise AssertionError(f"timed out after {limit:.0f}s{why}: {len(cmds)} concurrent launches\n{logs}")
     return results
 
 

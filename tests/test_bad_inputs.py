@@ -14,10 +14,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from helpers import PYTHON, TINY, check, launch_env, run, snapshot, train_cmd
 from parallel_train import checkpoint
 from parallel_train.prepare import Options, prepare
+from parallel_train.tokenization import CharVocab
 
 pytestmark = pytest.mark.multiprocess
 
@@ -50,11 +52,26 @@ def env(tmp_path_factory):
     (f / "bad.yaml").write_text("model: {n_layer: 2\n  broken: [\n")
     (f / "list.yaml").write_text("- model\n- train\n")
     (f / "a_file").write_text("not a folder\n")
+    (f / "twice.yaml").write_text("model:\n  n_layer: 2\ntrain:\n  batch_size: 4\nmodel:\n  n_head: 2\n")
+    (f / "mixed").mkdir()
+    (f / "mixed" / "play.txt").write_text("ZZZ 0123456789 \u00e9\u00e8 " * 200)
+    (f / "mixed" / "shards.bin").write_bytes(bytes(range(256)))
+    (f / "bad_row.jsonl").write_text('{"text": "a good row"}\n' * 20 + '{"text": "no closing quote}\n')
+    no_unk = Tokenizer(models.WordLevel({"to": 0, "be": 1}, unk_token="[UNK]"))
+    no_unk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    no_unk.save(str(f / "no_unk.json"))
     (f / "not_a_checkpoint").mkdir()
     # Prepared data (scripts/prepare_data.py's format): one with another tokenizer than the run's, one with a truncated shard.
     prepare(Options([str(f / "new_chars.txt")], f / "prepared_byte", "byte", num_proc=1), print_fn=lambda m: None)
     shutil.copytree(f / "prepared_byte", f / "prepared_truncated")
     (f / "prepared_truncated" / "train_000000.bin").write_bytes(b"\0" * 10)
+    # Another tokenizer (10 characters) swapped in, prepared.json edited to match: the byte ids in the shards are beyond it.
+    shutil.copytree(f / "prepared_byte", f / "prepared_ids_beyond")
+    small = CharVocab(list("0123456789"))
+    small.save(f / "prepared_ids_beyond")
+    meta = json.loads((f / "prepared_ids_beyond" / "prepared.json").read_text())
+    meta["tokenizer"].update(fingerprint=small.fingerprint, vocab_size=small.size)
+    (f / "prepared_ids_beyond" / "prepared.json").write_text(json.dumps(meta))
     step = checkpoint.list_checkpoints(run_dir / "checkpoints")[-1]
     # A pickle in place of a rank's tensors, with the manifest rewritten to match (a careful attacker).
     replaced = f / "replaced" / step.name
@@ -92,13 +109,13 @@ CASES = [
     ("config_file_missing", ["--config", "{files}/nope.yaml"], "nope.yaml: no such file"),
     ("config_file_not_yaml", ["--config", "{files}/bad.yaml"], "bad.yaml: not valid YAML"),
     ("config_file_a_list", ["--config", "{files}/list.yaml"], "expected a mapping"),
+    ("config_key_twice", ["--config", "{files}/twice.yaml"], "twice.yaml: key 'model' is written twice (lines 1 and 5)"),
     ("unknown_model", ["model.name=resnet"], "model.name: unknown model 'resnet'"),
     (
         "stage_devices_count",
         ["parallel.stage_devices=[cpu,cpu,cpu]", "parallel.pipeline_stages=2"],
         "parallel.stage_devices: 3 devices given for 2",
     ),
-    ("fp16_on_cpu", ["train.mixed_precision=fp16"], "fp16 needs a GPU"),
     ("data_missing", ["data.path={files}/missing.txt"], "data.path: no such file"),
     ("data_empty", ["data.path={files}/empty.txt"], "is empty"),
     ("data_binary", ["data.path={files}/binary.txt"], "is not UTF-8 text (a binary file?)"),
@@ -110,6 +127,19 @@ CASES = [
     ),
     ("data_hub_offline", ["data.path=no-such-user/no-such-dataset"], "data.path: could not load"),
     ("data_outside_vocab", ["data.path={files}/new_chars.txt"], "vocab"),
+    ("data_folder_other_kind", ["data.path={files}/mixed"], "mixed/shards.bin is not a .txt/.jsonl/.json/.csv/.parquet file"),
+    ("data_json_row_malformed", ["data.path={files}/bad_row.jsonl"], "bad_row.jsonl: the row on line 21 is not valid JSON"),
+    ("model_cannot_take_the_data", ["model.name=mlp"], "model.name=mlp takes feature vectors, but data.path="),
+    (  # a new run: the resumed one may not change its tokenizer (resume_config.py)
+        "tokenizer_unk_missing",
+        ["data.tokenizer={files}/no_unk.json", "resume=none", "output_dir={files}/new_out"],
+        "its unk token '[UNK]' is not in its vocabulary",
+    ),
+    (
+        "prepared_ids_beyond_vocab",
+        ["data.path={files}/prepared_ids_beyond"],
+        "train_000000.bin holds token id 195, beyond the 10 ids of the tokenizer",
+    ),
     ("prepared_other_tokenizer", ["data.path={files}/prepared_byte"], "the resumed run was trained with another tokenizer"),
     ("prepared_shard_truncated", ["data.path={files}/prepared_truncated"], "train_000000.bin is 10 bytes, prepared.json says"),
     ("resume_path_missing", ["resume={files}/no_such_checkpoint"], "resume: no such checkpoint"),

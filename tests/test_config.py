@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import yaml
 
 from helpers import PYTHON, run
-from parallel_train.config import Config, config_from_dict, load_config, sections
+from parallel_train.config import Config, UniqueKeyLoader, config_from_dict, load_config, sections
 from parallel_train.errors import UserError
 from parallel_train.models import MODELS
 
@@ -77,6 +78,27 @@ def test_bad_yaml_file(tmp_path):
     f.write_text("- a list\n")
     with pytest.raises(UserError, match="expected a mapping"):
         load_config(["--config", str(f)])
+
+
+def test_two_config_files_merge_in_order(tmp_path):
+    (tmp_path / "a.yaml").write_text("model:\n  n_layer: 2\ntrain:\n  batch_size: 8\n  max_steps: 5\n")
+    (tmp_path / "b.yaml").write_text("train:\n  max_steps: 7\n")
+    cfg, path = load_config(["--config", str(tmp_path / "a.yaml"), f"--config={tmp_path / 'b.yaml'}", "train.batch_size=4"])
+    assert path == f"{tmp_path / 'a.yaml'} + {tmp_path / 'b.yaml'}"  # what the start banner shows
+    assert (cfg.model.n_layer, cfg.train.max_steps, cfg.train.batch_size) == (2, 7, 4)  # a, then b, then the overrides
+
+
+def test_a_key_written_twice_in_one_file_names_the_key_and_both_lines(tmp_path):
+    f = tmp_path / "twice.yaml"
+    f.write_text("model:\n  n_layer: 2\ntrain:\n  batch_size: 8\nmodel:\n  n_head: 2\n")
+    with pytest.raises(UserError, match=r"twice.yaml: key 'model' is written twice \(lines 1 and 5\)"):
+        load_config(["--config", str(f)])
+    f.write_text("model:\n  n_layer: 2\n  n_head: 2\n  n_layer: 3\n")
+    with pytest.raises(UserError, match=r"key 'n_layer' is written twice \(lines 2 and 4\)"):
+        load_config(["--config", str(f)])
+    # A YAML merge (`<<: *anchor`) is not a key written twice: the keys written next to it override the merged ones.
+    merged = yaml.load("base: &base {batch_size: 2, max_steps: 3}\ntrain:\n  <<: *base\n  batch_size: 4\n", Loader=UniqueKeyLoader)
+    assert merged["train"] == {"batch_size": 4, "max_steps": 3}
 
 
 def test_cli_error_is_one_line_exit_2_without_traceback():

@@ -64,6 +64,34 @@ def test_missing_column_and_missing_file(tmp_path):
         load_corpus(small_cfg(tmp_path / "missing.txt").data)
 
 
+def test_a_folder_of_several_kinds_reads_every_data_file_and_refuses_others(tmp_path):
+    """The rule of scripts/prepare_data.py: text files as one text, rows of the others as documents, the dataset card
+    left out and named; a file of a kind no reader takes is a one-line error, never skipped in silence."""
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    (folder / "a.txt").write_text("first text file\n")
+    (folder / "b.txt").write_text("second text file\n")
+    (folder / "rows.jsonl").write_text(json.dumps({"text": "row one"}) + "\n" + json.dumps({"text": "row two"}) + "\n")
+    (folder / "README.md").write_text("# the dataset card\n")
+    cfg = small_cfg(folder)
+    cfg.data.val_fraction = 0.3
+    data = build_datasets(cfg)
+    text = data.vocab.decode(torch.cat([data.train_set.ids, data.val_set.ids]).tolist())
+    assert text == "first text file\nsecond text file\n\nrow one\nrow two"
+    assert data.description == (
+        f"{folder}: read 2 text files (a.txt, b.txt) as one text; 1 json file (rows.jsonl) as documents; "
+        "skipped README.md (not data files of the train split)"
+    )
+    for name in ("shards.bin", "notes.md"):
+        (folder / name).write_bytes(b"\x00\x01")
+        with pytest.raises(UserError) as e:
+            load_corpus(cfg.data)
+        assert (
+            str(e.value) == f"data.path={folder}: {folder / name} is not a .txt/.jsonl/.json/.csv/.parquet file; move it out of the folder"
+        )
+        (folder / name).unlink()
+
+
 def test_too_short_corpus(tmp_path):
     path = tmp_path / "tiny.txt"
     path.write_text("abcdefghij" * 3)
@@ -116,6 +144,6 @@ def test_val_set_is_fixed():
     cfg = Config()
     cfg.eval.iters = 3
     data = build_datasets(cfg)
-    first = [torch.cat([x.flatten() for x, _ in val_loader(data, cfg)])]
-    again = [torch.cat([x.flatten() for x, _ in val_loader(data, cfg)])]
+    first = [torch.cat([x.flatten() for x, _ in val_loader(data, cfg, 1)])]
+    again = [torch.cat([x.flatten() for x, _ in val_loader(data, cfg, 1)])]
     assert torch.equal(first[0], again[0]) and first[0].numel() == 3 * 12 * 64

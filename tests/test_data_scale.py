@@ -194,3 +194,32 @@ def test_shakespeare_bpe_config_trains_and_samples(tmp_path):
         run([PYTHON, "scripts/sample.py", "--run", str(out), "--prompt", "ROMEO:", "--max_new_tokens", "20"], env=launch_env(tmp_path))
     )
     assert text.stdout.startswith("ROMEO:")
+
+
+def test_word_tokenizer_prepares_trains_resumes_and_samples(data, tmp_path):
+    """data.tokenizer=word through every step that saves or reloads a tokenizer: prepare_data writes tokenizer.json
+    (the one the in-memory path builds from the same text), a run killed with SIGKILL resumes with its checkpoint's
+    tokenizer, and sample.py encodes and decodes with the run's."""
+    from parallel_train.config import Config
+    from parallel_train.data import build_datasets
+    from parallel_train.tokenization import load_saved
+
+    text = (data / "play.txt").read_text()
+    meta = prepare(Options([str(data / "play.txt")], tmp_path / "words", "word", num_proc=1), print_fn=lambda m: None)
+    tokenizer = load_saved(tmp_path / "words")
+    assert meta["tokenizer"]["spec"] == "word" and tokenizer.size == meta["tokenizer"]["vocab_size"] > 5000
+    lines = text[: text.index("\n", 3000) + 1]
+    assert tokenizer.decode(tokenizer.encode(lines).tolist()) == lines  # words, single spaces, line ends
+    cfg = Config()
+    cfg.data.path, cfg.data.tokenizer = str(data / "play.txt"), "word"
+    assert build_datasets(cfg).vocab.fingerprint == tokenizer.fingerprint
+
+    out, env = tmp_path / "run", launch_env(tmp_path)
+    args = (*TINY, f"data.path={tmp_path / 'words'}", f"output_dir={out}")
+    killed = run(train_cmd(*args), env=launch_env(tmp_path, PARALLEL_TRAIN_FAULT="kill@4"))
+    assert killed.returncode == -9, killed.output[-2000:]
+    resumed = check(run(train_cmd(*args), env=env))
+    assert "resumed from" in resumed.output and "at step 3" in resumed.output and summary(out)["steps"] == 6
+    assert load_saved(out).fingerprint == load_saved(out / "checkpoints" / "step_0000006").fingerprint == tokenizer.fingerprint
+    sample = check(run([PYTHON, "scripts/sample.py", "--run", str(out), "--prompt", "First Citizen:", "--max_new_tokens", "30"], env=env))
+    assert sample.stdout.startswith("First Citizen:") and 20 < len(sample.stdout.split()) <= 32 and "<unk>" not in sample.stdout[:14]

@@ -1,16 +1,19 @@
 """The documentation holds together: every relative link and #anchor in README.md and docs/*.md resolves, the README
-stays a front page (short, the two commands at the top, no figure that changes with each re-measurement), and every
-docs page says what it covers and links back. Reads files only: no launches.
+stays a front page (short, the two commands at the top, no figure that changes with each re-measurement), every
+docs page says what it covers and links back, the Python version claimed is the one CI runs, and no page presents a
+slow test as part of the default suite. Reads files only, except one `pytest --collect-only` (which tests are slow is
+pytest's answer, not this file's).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import pytest
 
-from helpers import REPO
+from helpers import PYTHON, REPO, check, launch_env, run
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 TRAIN = "python3 -m venv .venv && .venv/bin/pip install -r requirements.txt && .venv/bin/python train.py"
@@ -102,3 +105,100 @@ def test_every_docs_page_opens_with_what_it_covers_and_a_link_back(page: Path):
     assert text.startswith("# "), f"{page.name} starts with its title"
     first_paragraph = text.split("\n\n")[1]
     assert "](../README.md" in first_paragraph, f"{page.name}: the first paragraph links back to the README"
+
+
+def test_the_python_version_claimed_is_the_one_ci_runs():
+    ci = re.search(r'python-version: "([\d.]+)"', (REPO / ".github" / "workflows" / "ci.yml").read_text())
+    assert ci, "ci.yml names no python-version"
+    version = ci.group(1)
+    assert f"Python {version}+ on Linux" in (REPO / "README.md").read_text()
+    assert re.search(rf'^requires-python = ">={re.escape(version)}"', (REPO / "pyproject.toml").read_text(), re.M)
+
+
+# ---------------------------------------------------------------- slow tests are not claimed for the default suite
+#
+# How a page names a test: a test function's name (`test_...`, optionally with its parameters, `test_x[hsdp]`) or
+# `tests/test_file.py::test_...`, anywhere in prose or a table, outside fenced code blocks. A claim is made by the
+# span that holds the name: a sentence of prose (ended by . ; ! or ? and a space, or by the paragraph) or one cell
+# of a table. The rule: a span that names a slow test says so, with the word "slow" (`-m slow`, "the slow test"),
+# and does not say "default"; a span that needs both is written as two. A name must be one pytest collects.
+# "Slow" is pytest's own collection (`-m slow`): a name is slow when every test it covers is (a parametrized
+# function with a default parameter is not).
+
+NAMED_TEST = re.compile(r"(?<![\w.])(?:tests/\w+\.py::)?(test_\w+(?:\[[^\]\s`]*\])?)(?![\w.\[])")
+SPAN_END = re.compile(r"(?<=[.;!?])\s+(?=\S)")
+REPORT_PLUGIN = """
+import json, os
+
+
+def pytest_collection_finish(session):
+    found = {}
+    for item in session.items:
+        slow = item.get_closest_marker("slow") is not None
+        for name in {item.name, getattr(item, "originalname", item.name)}:  # with and without its parameters
+            found.setdefault(name, []).append(slow)
+    with open(os.environ["SLOW_REPORT"], "w") as f:
+        json.dump(found, f)
+"""
+
+
+@pytest.fixture(scope="module")
+def collected(tmp_path_factory) -> dict[str, bool]:
+    """Every test pytest collects (slow or not): name -> whether every test of that name is marked slow."""
+    tmp = tmp_path_factory.mktemp("collect")
+    (tmp / "slow_report.py").write_text(REPORT_PLUGIN)
+    env = launch_env(tmp, SLOW_REPORT=str(tmp / "report.json"), PYTHONPATH=str(tmp))
+    cmd = [PYTHON, "-m", "pytest", "--collect-only", "-q", "-p", "slow_report", "-p", "no:cacheprovider", "-m", "slow or not slow"]
+    check(run(cmd, env=env, timeout=300))
+    return {name: all(flags) for name, flags in json.loads((tmp / "report.json").read_text()).items()}
+
+
+def claim_spans(text: str) -> list[str]:
+    """The sentences of a page's prose and the cells of its tables, outside fenced code blocks."""
+    spans: list[str] = []
+    for paragraph in prose(text).split("\n\n"):
+        lines = paragraph.splitlines()
+        for row in (line for line in lines if line.lstrip().startswith("|")):
+            spans += [cell for cell in re.split(r"(?<!\\)\|", row) if cell.strip()]
+        rest = " ".join(line for line in lines if not line.lstrip().startswith("|"))
+        spans += SPAN_END.split(rest)
+    return spans
+
+
+def slow_claim_problems(text: str, collected: dict[str, bool]) -> list[str]:
+    problems = []
+    for span in claim_spans(text):
+        words = NAMED_TEST.sub("", span)  # "slow" and "default" as words of the span, not parts of a test's name
+        says_slow = re.search(r"\bslow\b", words) is not None  # `-m slow` counts: it is how a page says it
+        says_default = re.search(r"\bdefault\b", CODE_SPAN.sub("", words), re.I) is not None  # not `accelerate config default`
+        for name in NAMED_TEST.findall(span):
+            if name not in collected:
+                problems.append(f"names {name}, which pytest does not collect: {span.strip()[:200]}")
+            elif collected[name] and (not says_slow or says_default):
+                problems.append(f"names the slow test {name} without saying 'slow' (or next to 'default'): {span.strip()[:200]}")
+    return problems
+
+
+def test_the_slow_claim_rule_catches_a_page_that_calls_a_slow_test_default():
+    known = {"test_fast": False, "test_long": True, "test_mixed": False, "test_mixed[b]": True}
+    page = (
+        "The default suite checks it (`test_long`). ZB-V is in the default suite (`test_fast`).\n\n"
+        "| layout | tested |\n|---|---|\n| tp | real launch (`tests/test_x.py::test_long`) |\n\n"
+        "`-m slow` adds `test_long`; the default suite runs `test_mixed` and `test_mixed[b]` (a slow one).\n\n"
+        "```\npytest -k test_long  # in the default suite: fenced code is not a claim\n```\n"
+        "Renamed: `test_gone` in the default suite."
+    )
+    found = slow_claim_problems(page, known)
+    assert [p.split(",")[0].split(" without")[0] for p in found] == [
+        "names the slow test test_long",  # a sentence that says default
+        "names the slow test test_long",  # a table cell that says neither
+        "names the slow test test_mixed[b]",  # its span says slow, but default too
+        "names test_gone",
+    ], found
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.relative_to(REPO).as_posix() for p in PAGES])
+def test_no_page_presents_a_slow_test_as_part_of_the_default_suite(page: Path, collected):
+    assert len(collected) > 100 and any(collected.values()) and not all(collected.values())
+    problems = slow_claim_problems(page.read_text(), collected)
+    assert not problems, f"{page.relative_to(REPO)}:\n" + "\n".join(problems)

@@ -7,7 +7,7 @@ The guide's code blocks say where they go on their first line, which this test f
     # PATH: add at the end            imports join the file's imports; the other lines are appended
     # PATH: replace NAME              the block replaces the top-level function NAME
 Its ```bash commands run in the copy, in order, after the blocks of their section; training commands get
-tiny sizes appended (helpers.TINY) and torchrun a free port. Lines marked `# needs the Hub` are skipped.
+tiny sizes (helpers.TINY) before their own keys and torchrun a free port. Lines marked `# needs the Hub` are skipped.
 Section 2's data files are the user's own; the test writes small ones where the guide says they are.
 """
 
@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from helpers import ACCELERATE, PYTHON, REPO, TINY, TORCHRUN, check, doc_section, free_port, launch_env, read_metrics, run
+from parallel_train.tokenization import load_saved, load_tokenizer
 
 pytestmark = pytest.mark.multiprocess
 
@@ -117,8 +118,9 @@ def command(line: str) -> list[str]:
         args = [TORCHRUN, "--master-port", str(free_port()), *args[1:]]
     else:
         raise AssertionError(f"the guide runs {args[0]!r}; teach this test how to run it")
-    if "train.py" in args:
-        args += TINY
+    if "train.py" in args:  # before the guide's own keys, which win (a resumed run's train.max_steps)
+        at = args.index("train.py") + 1
+        args[at:at] = TINY
     return args
 
 
@@ -181,7 +183,7 @@ def test_customize_guide_as_written_trains_on_two_processes(tmp_path):
                     result = check(run(command(line), env=env, cwd=root, timeout=420))
                     ran[line] = result
                     assert "Traceback" not in result.output, (heading, line, result.output[-3000:])
-    assert skipped == 5 and len(ran) == 6, list(ran)  # the Hub dataset of 2b; section 4's install and fine-tunes
+    assert skipped == 5 and len(ran) == 10, list(ran)  # the Hub dataset of 2b; section 4's install and fine-tunes
     assert changed.count("src/parallel_train/data_sources.py") == 2 and "src/parallel_train/losses.py" in changed
     assert "src/parallel_train/eval_metrics.py" in changed
     assert not any(path.endswith("config.py") for path in changed)  # a model owns its keys: config.py never changes
@@ -203,6 +205,19 @@ def test_customize_guide_as_written_trains_on_two_processes(tmp_path):
     assert sample.startswith("ROMEO:") and len(sample.rstrip("\n")) == len("ROMEO:") + 200
     vocab = json.loads((runs / "dialogue" / "vocab.json").read_text())["chars"]
     assert set("ROMEO: ") <= set(vocab)  # upper-cased speakers from the dialogue loader
+
+    # 2d: the tokenizer of your own travels with the run, is reused when it resumes and by sample.py.
+    own = load_tokenizer(str(root / "data" / "wordpiece.json"))
+    assert own.size == 2000 and own.fingerprint == load_saved(runs / "wordpiece").fingerprint
+    assert load_saved(runs / "wordpiece" / "checkpoints" / "step_0000012").fingerprint == own.fingerprint
+    resumed = next(r.output for line, r in ran.items() if "train.max_steps=12" in line)
+    assert (
+        "resumed from" in resumed
+        and "at step 6" in resumed
+        and json.loads((runs / "wordpiece" / "summary.json").read_text())["steps"] == 12
+    )
+    sample = next(r.stdout for line, r in ran.items() if "runs/wordpiece" in line and "sample.py" in line)
+    assert sample.startswith("romeo :") and len(own.encode(sample)) > 20
 
     # The new key is typed and documented like the others; the new names are validated like the others.
     help_text = check(run([PYTHON, "train.py", "--help"], cwd=root, env=env, timeout=60)).stdout

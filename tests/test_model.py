@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel_train.losses import loss_fn, per_sample_loss
+from parallel_train.losses import loss_fn, token_losses
 from parallel_train.models import build_model
 from parallel_train.models.gpt import GPTConfig
 from parallel_train.models.mlp import MLPConfig
@@ -31,7 +31,7 @@ def test_gpt_initial_loss_is_near_uniform():
     idx = torch.randint(0, 11, (4, 8))
     loss = loss_fn(model(idx), idx)
     assert abs(loss.item() - torch.log(torch.tensor(11.0)).item()) < 0.3
-    assert per_sample_loss(model(idx), idx).shape == (4,)
+    assert token_losses(model(idx), idx).shape == (4, 8)
 
 
 def test_gpt_runs_as_two_stages_with_parts_removed():
@@ -63,7 +63,7 @@ def test_metrics_are_ratios_of_sums_over_samples_and_skip_padding():
         totals = add_stats(totals, metric_stats(logits[i : i + 1], targets[i : i + 1]))
     values = metric_values(totals)
     assert values["accuracy"] == pytest.approx(3 / 5)  # over all real targets, not the mean of 1/2 and 2/3
-    assert values["loss"] == pytest.approx(per_sample_loss(logits, targets).mean().item())  # the mean per-sample loss
+    assert values["loss"] == pytest.approx(token_losses(logits, targets).sum().item() / 5)  # per real token, not per sample
     # Classification (the seed MLP): one target per sample.
     values = metric_values(add_stats(None, metric_stats(torch.tensor([[1.0, 0.0], [1.0, 0.0]]), torch.tensor([0, 1]))))
     assert values["accuracy"] == 0.5

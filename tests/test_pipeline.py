@@ -30,9 +30,11 @@ from parallel_train.weights_export import index_files, whole_tensor
 # dropout 0 (the default); batch 4 x 2 accumulation steps = global batch 8.
 # SGD shows any error in gradient scaling (Adam would hide a constant factor), and with lr 1 the gradient
 # norm crosses train.grad_clip=1.0 during the run: some steps are clipped (global norm), others not.
-SGD = (*TINY, "train.gradient_accumulation_steps=2", "train.optimizer=sgd", "train.learning_rate=1.0")
+# eval.batch_size: a global validation batch of 8 whatever the layout (its default, train.batch_size x data-parallel
+# ranks, differs between layouts that differ in accumulation).
+SGD = (*TINY, "train.gradient_accumulation_steps=2", "train.optimizer=sgd", "train.learning_rate=1.0", "eval.batch_size=8")
 # AdamW: its state (exp_avg, exp_avg_sq by parameter name) must travel between topologies.
-ADAM = (*TINY, "train.gradient_accumulation_steps=2", "train.learning_rate=1e-2")
+ADAM = (*TINY, "train.gradient_accumulation_steps=2", "train.learning_rate=1e-2", "eval.batch_size=8")
 
 
 def tiny_gpt(n_layer: int = 4) -> torch.nn.Module:
@@ -60,22 +62,25 @@ def test_explicit_split_with_ranges_and_left_out_dropout():
 
 def test_time_split_balances_measured_time_not_parameters():
     """A GPT-2-like imbalance: the 50k-token embedding holds most parameters and costs little; the output layer
-    (as large) is by far the most expensive unit. split=time measures that and gives the head a stage alone."""
+    (as large) is by far the most expensive unit. split=time gives the head a stage alone. The planning is checked
+    on fixed times in the measured proportions (the head costs more than the four blocks together, the embedding
+    little), the measurement for its shape only: a ratio of measured times depends on the machine and its load, so
+    it is measured, not asserted (docs/pipelines.md, "Parameters are a poor guide": the head 80% of the time)."""
+    from parallel_train.model_init import start_model
+    from parallel_train.models.gpt import GPT
     from parallel_train.pipeline.cost import unit_times
 
-    torch.manual_seed(0)
-    model = build_model(GPTConfig(n_layer=4, n_head=2, n_embd=32, block_size=16), 50_000)
+    model, init = start_model(GPT, GPTConfig(n_layer=4, n_head=2, n_embd=32, block_size=16), 50_000, seed=0)  # on meta
     units = list(model_units(model))
     x = torch.randint(0, 50_000, (4, 16))
-    # The fastest of 3 measurements per unit: a busy machine (CI runners, other jobs) can stall any one of them.
-    runs = [unit_times(model, units, x, x, torch.device("cpu")) for _ in range(3)]
-    seconds = {unit: min(times) for unit, times in zip(units, zip(*runs, strict=True), strict=True)}
-    assert max(seconds, key=seconds.get) == "head" and seconds["head"] > 3 * seconds["tok_emb"], seconds
+    measured = unit_times(model, units, x, x, torch.device("cpu"), init)
+    assert len(measured) == len(units) and all(t >= 0 for t in measured)
+    seconds = dict.fromkeys(units, 1e-5) | {f"blocks.{i}": 1e-3 for i in range(4)} | {"tok_emb": 1e-4, "head": 5e-3}
     stages = plan_stages(model, 2, "time", lambda names: [seconds[n] for n in names])
     # The head alone (ln_f, near free, may join it): every block on stage 0. auto (parameters) cuts between blocks.
     assert stages[1][-1] == "head" and not any(n.startswith("blocks.") for n in stages[1]), stages
     assert any(n.startswith("blocks.") for n in plan_stages(model, 2)[1])
-    assert all(p.grad is None for p in model.parameters())  # measured on a copy: the model is untouched
+    assert all(p.is_meta and p.grad is None for p in model.parameters())  # one part at a time, each given back
     assert describe_stages(model, stages, ["cpu", "cpu"], seconds).count("% of the measured time") == 2
 
 
@@ -100,12 +105,12 @@ def test_bad_layouts_and_devices_are_one_line_errors():
     cfg = Config()
     cfg.parallel.pipeline_stages, cfg.parallel.microbatches, cfg.train.batch_size = 3, 2, 4
     with pytest.raises(UserError, match="does not divide the world size 2"):
-        check_layout(cfg, 2, "no")
+        check_layout(cfg, 2)
     cfg.parallel.pipeline_stages = 2
-    assert check_layout(cfg, 4, "no") == (1, 2)  # 2 stages x 2 replicas
+    assert check_layout(cfg, 4) == (1, 2)  # 2 stages x 2 replicas
     cfg.train.batch_size = 3
     with pytest.raises(UserError, match="not divisible by parallel.microbatches"):
-        check_layout(cfg, 2, "no")
+        check_layout(cfg, 2)
     if not torch.cuda.is_available():
         with pytest.raises(UserError, match="cuda:0 does not exist"):
             resolve_devices(["cpu", "cuda:0"], 0)
@@ -252,7 +257,7 @@ def test_multi_process_pipeline_matches_unsplit_model(reference, schedule):
         assert_same_training(out, ref, steps=(), atol=1e-4, file=step6)  # written by both stages, by name
     else:
         assert_same_training(out, ref)
-    ideal = 1 / 5 if schedule == "interleaved1f1b" else 1 / 3  # (S-1)/(V*M+S-1)
+    ideal = 1 / 9 if schedule == "interleaved1f1b" else 1 / 5  # (S-1)/(V*M+S-1), M = 2 x 2 accumulation per schedule step
     assert json.loads((out / "summary.json").read_text())["pipeline_bubble_ideal"] == pytest.approx(ideal)
     if schedule == "1f1b":  # the pipeline's checkpoint (canonical names, gathered on rank 0) continues as a plain run
         plain = reference / "plain_from_pipeline"

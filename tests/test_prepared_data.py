@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from helpers import REPO, launch_env, run
+from parallel_train import data_inputs
 from parallel_train.batch_sampler import GlobalBatchSampler
 from parallel_train.config import Config
 from parallel_train.data_sources import load_data
@@ -94,6 +95,25 @@ def test_the_same_inputs_a_second_time_do_nothing(tmp_path, corpus):
         prep(out, [corpus], tokenizer="byte")
     prep(out, [corpus], tokenizer="byte", overwrite=True)
     assert read_meta(out)[0]["tokenizer"]["spec"] == "byte" and read_meta(out)[0]["splits"]["train"]["tokens"] > 0
+
+
+@pytest.mark.parametrize("tokenizer", ["char", "byte", "bpe:300"])
+def test_a_file_without_line_breaks_is_read_in_bounded_pieces_with_the_same_ids(tmp_path, monkeypatch, tokenizer):
+    """A line longer than PIECE_CHARS is cut into rows of at most that many characters (memory flat in line length):
+    char and byte ids are exactly those of the whole text, even where a stretch without a space is cut at the limit;
+    a BPE's too where every cut falls before a space (docs/data.md says what a cut elsewhere does)."""
+    monkeypatch.setattr(data_inputs, "PIECE_CHARS", 64)
+    text = SHAKESPEARE[:20_000].replace("\n", " ") + "\u00e9\u00e8 " * 40  # multi-byte characters too
+    if tokenizer != "bpe:300":
+        text += "x" * 200  # no space: cut at the limit
+    (tmp_path / "one_line.txt").write_text(text)
+    rows = data_inputs.load_source(data_inputs.resolve_inputs([str(tmp_path / "one_line.txt")])[0], "text", tmp_path / "cache")["text"]
+    assert "".join(rows) == text and max(map(len, rows)) <= 64 and len(rows) > len(text) / 64
+    assert sum(len(r) <= 32 for r in rows) <= 1  # cut in the second half of a piece (only the last may be shorter)
+    meta = prep(tmp_path / "out", [tmp_path / "one_line.txt"], tokenizer=tokenizer, val_fraction=0.5)
+    shards = [tmp_path / "out" / s["file"] for split in ("train", "val") for s in meta["splits"][split]["shards"]]
+    ids = np.concatenate([np.fromfile(f, dtype=meta["dtype"]) for f in shards])
+    assert ids.tolist() == load_tokenizer(tmp_path / "out").encode(text).tolist()
 
 
 def test_documents_of_every_format_end_with_the_end_of_text_token(tmp_path):
@@ -215,6 +235,34 @@ def test_damaged_prepared_data_is_refused_in_one_line(tmp_path, prepared, damage
     assert "\n" not in str(e.value)
 
 
+def swap_in_a_smaller_vocabulary(copy):
+    """A tokenizer of 20 characters in place of the preparation's, prepared.json edited to match: the shards hold ids beyond it."""
+    small = CharVocab(CharVocab.load(copy / "vocab.json").chars[:20])
+    small.save(copy)
+    meta = json.loads((copy / META).read_text())
+    meta["tokenizer"].update(fingerprint=small.fingerprint, vocab_size=small.size)
+    (copy / META).write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("verify", ["size", "full"])
+def test_token_ids_beyond_the_vocabulary_are_refused_in_one_line(tmp_path, prepared, verify):
+    """The largest id of each shard is recorded when it is written, and checked against the tokenizer's vocabulary:
+    from prepared.json always, from the shards themselves when they are hashed (an IndexError in the embedding before)."""
+    meta, _ = read_meta(prepared)
+    tops = [s["max_id"] for split in ("train", "val") for s in meta["splits"][split]["shards"]]
+    assert max(tops) == meta["tokenizer"]["vocab_size"] - 1 == 58
+    copy = damaged(tmp_path, prepared, swap_in_a_smaller_vocabulary)
+    with pytest.raises(UserError, match=r"train_000000.bin holds token id \d+, beyond the 20 ids of the tokenizer next to it"):
+        load_data(cfg_for(copy, verify=verify))
+    if verify == "full":  # an edited record is not trusted when the shards are read: these ids are the real ones
+        meta = json.loads((copy / META).read_text())
+        for shard in meta["splits"]["train"]["shards"]:
+            shard["max_id"] = 0
+        (copy / META).write_text(json.dumps(meta))
+        with pytest.raises(UserError, match="holds token id"):
+            load_data(cfg_for(copy, verify="full"))
+
+
 def test_size_checks_only_when_told(tmp_path, prepared):
     copy = damaged(tmp_path, prepared, lambda c: flip_byte(c / "train_000002.bin"))
     assert len(load_data(cfg_for(copy, verify="size")).train_set) > 0
@@ -306,6 +354,29 @@ def test_a_stream_without_the_text_column_says_so(tmp_path):
         (folder / name).write_text('{"body": "some text"}\n' * 50)
     with pytest.raises(UserError, match="data.text_column: 'text' is not a column of .*; columns: body"):
         load_data(cfg_for(folder, streaming=True, tokenizer="byte"))
+
+
+def test_a_malformed_json_row_is_named_by_its_line(tmp_path):
+    """In memory, prepared and streamed: the file and the line of the first malformed row, in one line (pyarrow's own
+    message counts rows within a block, and a stream raised it mid-run as a traceback)."""
+    good = "".join(json.dumps({"text": f"row {i} has some text"}) + "\n" for i in range(40))
+    folder = tmp_path / "stream"
+    folder.mkdir()
+    (folder / "train-00000.jsonl").write_text(good + '{"text": "no closing quote}\n' + good)
+    (folder / "validation-00000.jsonl").write_text(good)
+    where = f"{folder / 'train-00000.jsonl'}: the row on line 41 is not valid JSON"
+    with pytest.raises(UserError, match=re.escape(f"data.path: {where}")):
+        load_data(cfg_for(folder / "train-00000.jsonl"))
+    with pytest.raises(UserError, match=re.escape(f"--input: {where}")):
+        prep(tmp_path / "out", [folder / "train-00000.jsonl"])
+    data = load_data(cfg_for(folder, block_size=16, streaming=True, tokenizer="byte"))
+    with pytest.raises(UserError, match=re.escape(f"data.path: {where}")) as e:
+        for _ in range(100):
+            next(data.train_stream(1, 0, None))
+    assert "\n" not in str(e.value)
+    (folder / "rows.jsonl").write_text(good + "[1, 2]\n")
+    with pytest.raises(UserError, match=re.escape("rows.jsonl: the row on line 41 is not a JSON object")):
+        load_data(cfg_for(folder / "rows.jsonl"))
 
 
 def test_a_stream_resumed_twice_inside_one_long_document_continues_exactly(tmp_path):

@@ -46,6 +46,24 @@ def test_every_kind_round_trips_and_saves(tmp_path, bpe):
     assert sorted(p.name for p in (tmp_path / "char").iterdir()) == ["vocab.json"]
 
 
+def test_the_word_tokenizer_is_a_tokenizer_json_of_whitespace_separated_words_and_line_ends(tmp_path):
+    """data.tokenizer=word (pytorch/examples' word_language_model): one id per word, <eos> at every line end (and as
+    the end of a document), <unk> for a word it never saw; saved as a plain tokenizer.json that reloads alike."""
+    word = load_tokenizer("word", corpus=corpus)
+    ids = word.encode(TEXT)
+    core = word.tokenizer
+    assert [core.id_to_token(i) for i in ids[:10]] == ["To", "be,", "or", "not", "to", "be,", "that", "is", "the", "question:"]
+    assert core.id_to_token(int(ids[10])) == "<eos>" == core.id_to_token(word.eot)
+    assert word.decode(ids.tolist()) == TEXT and word.size == len(set(TEXT.split())) + 2  # the words, <unk>, <eos>
+    assert word.decode(word.encode("to be or  not\n\nthe zounds").tolist()) == "to <unk> or not\n\nthe <unk>"
+    word.save(tmp_path)
+    again = load_saved(tmp_path)
+    assert isinstance(again, HFTokenizer) and again.fingerprint == word.fingerprint and np.array_equal(again.encode(TEXT), ids)
+    assert load_tokenizer("word", corpus=lambda: [TEXT.splitlines(keepends=True)]).fingerprint == word.fingerprint  # any batching
+    with pytest.raises(UserError, match="built from a corpus"):
+        load_tokenizer("word")
+
+
 def test_bpe_training_is_deterministic():
     a, b = train_bpe(iter(corpus()), 280), train_bpe(iter(corpus()), 280)
     assert a.fingerprint == b.fingerprint
@@ -118,5 +136,32 @@ def test_the_in_memory_corpus_takes_every_kind_and_keeps_a_resumed_runs(tmp_path
     with pytest.raises(UserError, match="the resumed run used the char tokenizer; resume with data.tokenizer=char"):
         build_datasets(cfg, CharVocab.from_text(TEXT))
     cfg.data.tokenizer = "char"
-    with pytest.raises(UserError, match="resume with data.tokenizer=the bpe:N or tokenizer.json it was started with"):
+    with pytest.raises(UserError, match="resume with data.tokenizer=the bpe:N, word or tokenizer.json it was started with"):
         build_datasets(cfg, bpe)
+
+
+def test_a_tokenizer_json_whose_unk_token_is_missing_is_refused_when_loaded(tmp_path):
+    """tokenizers itself raises only when it meets an unknown word, mid-data, as a bare Exception."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    core = Tokenizer(models.WordLevel({"to": 0, "be": 1}, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(UserError) as e:
+        load_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert str(e.value) == (
+        f"tokenizer {tmp_path / 'tokenizer.json'}: its unk token '[UNK]' is not in its vocabulary; "
+        "add it to model.vocab in the file, or remove unk_token"
+    )
+    with pytest.raises(UserError, match="its unk token"):
+        load_tokenizer(str(tmp_path))  # the folder that holds it
+
+
+def test_a_vocabulary_with_gaps_in_its_ids_sizes_the_model_by_its_largest_id(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    core = Tokenizer(models.WordLevel({"to": 0, "[UNK]": 1, "be": 9}, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = load_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert tokenizer.encode("to be or").tolist() == [0, 9, 1] and tokenizer.size == 10

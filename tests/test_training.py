@@ -7,6 +7,7 @@ of 8 as 1 process x 8, 2 processes x 4 and 1 process x 4 micro-steps x 2.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -108,6 +109,9 @@ def test_resume_continues_the_step_count_exactly(runs):
 
 
 def test_seed_mlp_example_on_two_processes(tmp_path):
+    # Two --config files merge in order, the later one winning; the start banner names both.
+    (tmp_path / "two_processes.yaml").write_text("train:\n  batch_size: 32\n  max_steps: 20\n")
+    out = tmp_path / "out"
     r = check(
         run(
             # model.n_embd is GPT's key: the MLP ignores it (one notice) instead of failing on GPT's n_head rule
@@ -115,28 +119,40 @@ def test_seed_mlp_example_on_two_processes(tmp_path):
                 2,
                 "--config",
                 "configs/seed_mlp.yaml",
-                "train.batch_size=32",
-                "train.max_steps=20",
+                "--config",
+                str(tmp_path / "two_processes.yaml"),
                 "model.n_embd=130",
-                f"output_dir={tmp_path}",
+                f"output_dir={out}",
             ),
             env=launch_env(tmp_path),
         )
     )
-    s = summary(tmp_path)
+    s = summary(out)
     assert s["world_size"] == 2 and s["steps"] == 20
-    losses = train_losses(tmp_path)
+    losses = train_losses(out)
     assert losses[20] < losses[10]
     assert "2 processes (MULTI_CPU" in r.output and "engine: data parallel" in r.output
+    assert f"config configs/seed_mlp.yaml + {tmp_path / 'two_processes.yaml'} |" in r.output
     assert r.stderr.count("notice: ignoring model.n_embd (a key of model.name=gpt)") == 1
 
 
-def test_bf16_on_cpu_works_and_fp16_on_cpu_is_refused(tmp_path):
+def test_bf16_and_fp16_train_and_an_fp16_overflow_is_the_scalers_not_a_fault(tmp_path):
+    """bf16 autocasts; fp16 scales the loss (precision.py). A forced overflow (inf gradients in step 2's first
+    micro-batch, the loss finite) is skipped by the scaler, which lowers its scale, and with the default
+    train.max_skipped_steps=0 the run goes on: the guard does not count it as a non-finite step."""
     r = check(run(train_cmd(*TINY, "train.mixed_precision=bf16", f"output_dir={tmp_path / 'bf16'}"), env=launch_env(tmp_path)))
     assert summary(tmp_path / "bf16")["mixed_precision"] == "bf16" and "precision bf16" in r.output
-    r = run(train_cmd(*TINY, f"output_dir={tmp_path / 'fp16'}"), env=launch_env(tmp_path, ACCELERATE_MIXED_PRECISION="fp16"))
-    assert r.returncode == 2 and "Traceback" not in r.output
-    assert r.stderr.strip().startswith("error: mixed precision fp16 needs a GPU")
+    out = tmp_path / "fp16"
+    env = launch_env(tmp_path, ACCELERATE_MIXED_PRECISION="fp16", PARALLEL_TRAIN_FAULT="overflow@2")
+    r = check(run(train_cmd(*TINY, "train.gradient_accumulation_steps=2", f"output_dir={out}"), env=env))
+    assert "[fault] inf gradients at step 2" in r.output and "precision fp16" in r.output
+    s = summary(out)
+    assert s["mixed_precision"] == "fp16" and s["skipped_by_scaler_steps"] == 1 and s["steps"] == 6
+    records = {m["step"]: m for m in read_metrics(out) if m["kind"] == "train"}
+    assert records[1]["skipped_by_scaler"] == 0 and records[2]["skipped_by_scaler"] == 1
+    assert all(math.isfinite(m["loss"]) for m in records.values())
+    scaler = json.loads((out / "checkpoints" / "step_0000006" / "trainer_state.json").read_text())["grad_scaler"]
+    assert scaler["scale"] == 2.0**15  # halved once from 2**16 by the overflow
 
 
 def test_cpu_flag_that_starts_one_process_is_refused(tmp_path):

@@ -2,7 +2,8 @@
 
 The same train.py runs under `python`, `accelerate launch` (any config) and `torchrun`. This module:
 - falls back to CPU processes (gloo) when no GPU exists, with one notice, so GPU configs rehearse on a laptop;
-- refuses fp16 on CPU (accelerate would silently train in fp32);
+- leaves mixed precision to the template (precision.py: the same autocast and loss scaler on every engine, on
+  CPU and GPU), except under DeepSpeed, whose engine takes it from accelerate;
 - checks that the process group really has the size the launcher was asked for (accelerate's `--cpu`
   and MULTI_CPU-without-mpirun paths start ONE process without a word);
 - says in one line when DeepSpeed cannot run here and what runs instead (FSDP runs on CPU too: the mesh
@@ -69,14 +70,17 @@ def _parent_accelerate_num_processes() -> int | None:
         return None
 
 
+def deepspeed_runs(cuda: bool | None = None) -> bool:
+    """A DeepSpeed launch config on a machine with GPUs (without them accelerate runs DDP instead)."""
+    return _env_true("ACCELERATE_USE_DEEPSPEED") and (torch.cuda.is_available() if cuda is None else cuda)
+
+
 def make_accelerator(cfg: Config, notice) -> Accelerator:  # noqa: F821 (lazy import below)
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
     cuda = torch.cuda.is_available()
     precision = requested_precision(cfg)
-    if precision == "fp16" and not cuda:
-        raise UserError("mixed precision fp16 needs a GPU (on CPU accelerate would silently train in fp32); use bf16 or no")
     if cuda:
         check_gpus_per_node(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count())
     if (
@@ -101,7 +105,7 @@ def make_accelerator(cfg: Config, notice) -> Accelerator:  # noqa: F821 (lazy im
     init_process_group_for_restarts(cfg.parallel.timeout_s)  # only under torchrun/accelerate --max-restarts N
     accelerator = Accelerator(
         cpu=not cuda,
-        mixed_precision=precision,
+        mixed_precision=precision if deepspeed_runs(cuda) else "no",  # precision.py does it on every other engine
         gradient_accumulation_steps=cfg.train.gradient_accumulation_steps,
         log_with=log_with,
         project_dir=cfg.output_dir,

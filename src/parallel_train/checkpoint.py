@@ -174,15 +174,15 @@ class Checkpointer:
         self.stager = None
         self.blocking_s = self.drain_s = 0.0
 
-    def save(self, engine, state: TrainingState, scheduler, config_yaml: str, tokenizer_files: dict[str, str]) -> Path:
+    def save(self, engine, state: TrainingState, scheduler, precision, config_yaml: str, tokenizer_files: dict[str, str]) -> Path:
         """Checkpoint the step `state` is at: the engine's state, the trainer's, the config and the tokenizer
         (`tokenizer_files`: vocab.json or tokenizer.json, tokenization.py). A collective: every rank calls it."""
         started = time.perf_counter()
         self.wait()  # the previous background write first: its collectives and these must not interleave
         check_finite_weights(engine, state.step)  # never a checkpoint with NaN/inf weights (all ranks agree)
         trainer_state = dict(state.to_dict(), scheduler=scheduler.state_dict())
-        if getattr(engine.accelerator, "scaler", None) is not None:  # fp16's loss scale (plain numbers)
-            trainer_state["grad_scaler"] = engine.accelerator.scaler.state_dict()
+        if precision.state_dict() is not None:  # fp16's loss scale (plain numbers)
+            trainer_state["grad_scaler"] = precision.state_dict()
         files = {"trainer_state.json": json.dumps(trainer_state, indent=1), "config.yaml": config_yaml, **tokenizer_files}
         final = self.write(state.step, engine.rank_state(), files)
         self.blocking_s += time.perf_counter() - started
@@ -384,7 +384,7 @@ def load_rank_state(folder: Path, rank: RankState) -> None:
     load_into(rank, tensors, meta)
 
 
-def load(folder: Path, engine, scheduler) -> TrainingState:
+def load(folder: Path, engine, scheduler, precision) -> TrainingState:
     """Restore model, optimizer, scheduler and this rank's RNG from `folder`; return the training state it saved."""
     accelerator = engine.accelerator
     state = read_json(folder / "trainer_state.json")
@@ -400,8 +400,7 @@ def load(folder: Path, engine, scheduler) -> TrainingState:
             f"written with ({folder / 'config.yaml'}) or choose a new output_dir"
         ) from None
     scheduler.load_state_dict(state["scheduler"])
-    if state.get("grad_scaler") and getattr(accelerator, "scaler", None) is not None:
-        accelerator.scaler.load_state_dict(state["grad_scaler"])
+    precision.load_state_dict(state.get("grad_scaler"))
     rng_file = folder / f"rng_rank{accelerator.process_index}.safetensors"
     if state.get("world_size") == accelerator.num_processes and rng_file.exists():
         rng = load_tensors(rng_file)

@@ -1,4 +1,4 @@
-"""Typed experiment config: defaults, then a YAML file, then `section.key=value` overrides.
+"""Typed experiment config: defaults, then YAML files, then `section.key=value` overrides.
 
 Every key is a dataclass field with a type, a default and a one-line help (which `train.py --help`
 prints, so the help never drifts from the code). `load_config` validates the result and raises a
@@ -34,8 +34,9 @@ class DataConfig:
     )
     tokenizer: str = opt(
         "char",
-        "char (one id per character), byte (256 ids), bpe:N (byte-level BPE trained on the corpus), a tokenizer.json, a folder "
-        "holding one, or a Hub tokenizer name; prepared data brings its own",
+        "char (one id per character), byte (256 ids), bpe:N (byte-level BPE trained on the corpus), word (one id per "
+        "whitespace-separated word of the corpus), a tokenizer.json, a folder holding one, or a Hub tokenizer name; prepared data "
+        "brings its own",
     )
     streaming: bool = opt(False, "read data.path (a folder of jsonl/parquet files or a Hub dataset) as a stream, tokenizing on the fly")
     verify: str = opt(
@@ -47,6 +48,9 @@ class DataConfig:
     text_column: str = opt("text", "column holding the text in json/csv/parquet/Hub datasets")
     val_fraction: float = opt(0.1, "share of the corpus held out for validation (the last part)", above=0.0, below=1.0)
     num_samples: int = opt(64, "random data: number of samples; synthetic data: tokens in the train split", min=1)
+    synthetic_padding: bool = opt(
+        False, "synthetic data: each sample keeps a random number of targets and pads the rest (-100), as padded chat data does"
+    )
     num_workers: int = opt(0, "DataLoader worker processes per rank (0: load in the training process)", min=0, max=1024)
 
 
@@ -79,7 +83,12 @@ class TrainConfig:
 class EvalConfig:
     interval: int = opt(250, "optimizer steps between evaluations (0: only at the end)", min=0)
     iters: int = opt(200, "validation batches per evaluation (fixed windows, same at every eval)", min=1)
-    batch_size: int = opt(0, "samples per validation batch (0: train.batch_size); iters x batch_size = the eval set", min=0)
+    batch_size: int = opt(
+        0,
+        "samples per validation batch across all data-parallel ranks (0: train.batch_size x data-parallel ranks); "
+        "iters x batch_size = the eval set, the same on every layout",
+        min=0,
+    )
 
 
 @dataclass
@@ -112,6 +121,11 @@ class ParallelConfig:
         "'tok_emb,pos_emb,blocks.0..1|blocks.2..3,ln_f,head'",
     )
     stages_per_rank: int = opt(2, "interleaved1f1b, interleavedzb: model stages each pipeline rank holds (zbv, dualpipev: 2)", min=1)
+    reduce_every_microstep: bool = opt(
+        False,
+        "FSDP2 with accumulation: reduce-scatter gradients after every micro-step (sharded gradients only, A x the "
+        "communication); false: once per optimizer step (holds unsharded gradients until then)",
+    )
     # datetime.timedelta and the collectives' C++ millisecond timeouts accept this much.
     timeout_s: int = opt(1800, "seconds a collective may wait before the run fails", min=1, max=10**8)
 
@@ -197,12 +211,46 @@ def _flatten(data: dict, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+class DuplicateKey(yaml.YAMLError):
+    def __init__(self, key: Any, first: int, second: int):
+        super().__init__(f"key {key!r} is written twice")
+        self.key, self.first, self.second = key, first, second
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key written twice in one mapping: plain YAML keeps the last one, so a second
+    `model:` section would silently drop the first."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: keys written here override the merged ones
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            try:
+                if key in seen:
+                    raise DuplicateKey(key, seen[key], line)
+            except TypeError:  # an unhashable key: construct_mapping below says so
+                continue
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
+UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, UniqueKeyLoader.construct_mapping)
+
+
 def _read_yaml(path: str) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise UserError(f"--config {path}: no such file")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.load(p.read_text(), Loader=UniqueKeyLoader)
+    except DuplicateKey as e:
+        raise UserError(
+            f"--config {path}: key {e.key!r} is written twice (lines {e.first} and {e.second}); YAML would keep only the second: "
+            "merge them into one"
+        ) from None
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"--config {path}: not valid YAML ({first})") from None
@@ -213,18 +261,18 @@ def _read_yaml(path: str) -> dict[str, Any]:
     return data
 
 
-def parse_args(argv: list[str]) -> tuple[str | None, list[tuple[str, Any]]]:
-    """Split argv into (config file, [(key, value), ...]). Values are parsed as YAML scalars/lists."""
-    config_path = None
+def parse_args(argv: list[str]) -> tuple[list[str], list[tuple[str, Any]]]:
+    """Split argv into ([config file, ...], [(key, value), ...]). Values are parsed as YAML scalars/lists."""
+    config_paths: list[str] = []
     overrides: list[tuple[str, Any]] = []
     i = 0
     while i < len(argv):
         arg = argv[i]
         if arg == "--config" or arg.startswith("--config="):
             if "=" in arg:
-                config_path = arg.split("=", 1)[1]
+                config_paths.append(arg.split("=", 1)[1])
             elif i + 1 < len(argv):
-                config_path = argv[i + 1]
+                config_paths.append(argv[i + 1])
                 i += 1
             else:
                 raise UserError("--config needs a file: --config configs/NAME.yaml")
@@ -238,19 +286,20 @@ def parse_args(argv: list[str]) -> tuple[str | None, list[tuple[str, Any]]]:
         else:
             raise UserError(f"unexpected argument '{arg}': use --config FILE.yaml and section.key=value overrides (see --help)")
         i += 1
-    return config_path, overrides
+    return config_paths, overrides
 
 
 def load_config(argv: list[str]) -> tuple[Config, str | None]:
-    """Defaults <- YAML file <- overrides, validated. Returns the config and the YAML path used."""
-    config_path, overrides = parse_args(argv)
-    settings = list(_flatten(_read_yaml(config_path)).items()) if config_path else []
+    """Defaults <- YAML files (in the order given: a later file wins) <- overrides, validated. Returns the config
+    and the YAML files used, joined by ' + ' for the start banner (None without one)."""
+    config_paths, overrides = parse_args(argv)
+    settings = [item for path in config_paths for item in _flatten(_read_yaml(path)).items()]
     ignored: list[str] = []
     cfg = _apply(settings + overrides, ignored)
     validate(cfg)
     if ignored and is_first_process():
         print(f"notice: ignoring {', '.join(ignored)}: not a key of model.name={cfg.model.name}", file=sys.stderr, flush=True)
-    return cfg, config_path
+    return cfg, " + ".join(config_paths) or None
 
 
 # ---------------------------------------------------------------- validation
@@ -307,11 +356,11 @@ def _key_lines(node: Any, prefix: str, skip: set[str] = frozenset()) -> list[str
 def help_text() -> str:
     """Every key with its type, default and help, generated from the dataclasses (each model's keys grouped)."""
     lines = [
-        "usage: python train.py [--config FILE.yaml] [section.key=value ...]",
+        "usage: python train.py [--config FILE.yaml ...] [section.key=value ...]",
         "       accelerate launch [--config_file accelerate_configs/NAME.yaml] train.py [same arguments]",
         "       torchrun --nproc-per-node N train.py [same arguments]",
         "",
-        "Config keys (defaults <- --config FILE.yaml <- key=value overrides):",
+        "Config keys (defaults <- each --config FILE.yaml in order <- key=value overrides):",
     ]
     common = {f.name for f in dataclasses.fields(ModelConfig)}
     lines += _key_lines(ModelConfig(), "model.")

@@ -18,36 +18,29 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from parallel_train.batch_sampler import GlobalBatchSampler
 from parallel_train.config import Config, DataConfig
+from parallel_train.data_inputs import LOCAL_FORMATS, describe_folder, load_source, loading_error, resolve_inputs
 from parallel_train.errors import UserError
+from parallel_train.losses import IGNORE_INDEX
 from parallel_train.permutation import SeededPermutation
 from parallel_train.tokenization import ByteVocab, Tokenizer, load_tokenizer, needs_corpus
-
-LOCAL_FORMATS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-
 
 # ---------------------------------------------------------------- corpus
 
 
-def loading_error(e: Exception, key: str, what: str) -> UserError:
-    """One line for an error `datasets` raised while loading `what` (named by config key or option `key`)."""
-    first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-    if isinstance(e, UnicodeDecodeError) or isinstance(e.__cause__ or e.__context__, UnicodeDecodeError):  # datasets wraps it
-        return UserError(f"{key}: {what!r} is not UTF-8 text (a binary file?)")
-    if isinstance(e, (ConnectionError, OSError, ValueError)):
-        return UserError(f"{key}: could not load {what!r} ({first})")
-    # datasets raises its own error types for malformed json/csv/parquet
-    return UserError(f"{key}: could not read {what!r} ({type(e).__name__}: {first})")
-
-
 def load_corpus(cfg: DataConfig) -> str:
-    """Read the whole corpus as one string through `datasets` (local file or Hub dataset)."""
+    """Read the whole corpus as one string through `datasets` (local file, folder or Hub dataset)."""
+    return read_corpus(cfg)[0]
+
+
+def read_corpus(cfg: DataConfig) -> tuple[str, str | None]:
+    """(the whole corpus as one string, what a folder held: read and skipped, for the start banner)."""
     import datasets  # lazy: costs about 1.7 s, and the random/synthetic data need none of it
 
     datasets.disable_progress_bars()
-    path = Path(cfg.path)
+    path, read = Path(cfg.path), None
     try:
-        if path.is_dir():  # a dataset folder laid out like a Hub repo (e.g. from `hf download --repo-type dataset`)
-            ds = datasets.load_dataset(str(path), split="train")
+        if path.is_dir():  # every data file, by the rule of scripts/prepare_data.py (data_inputs.py)
+            text, read = read_folder(cfg)
         elif path.suffix.lower() in LOCAL_FORMATS or path.exists():
             if not path.is_file():
                 raise UserError(f"data.path: no such file {cfg.path!r} (give a .txt/.json/.jsonl/.csv/.parquet file)")
@@ -56,19 +49,35 @@ def load_corpus(cfg: DataConfig) -> str:
                 ds = datasets.load_dataset("text", data_files=str(path), split="train", sample_by="document")
             else:
                 ds = datasets.load_dataset(fmt, data_files=str(path), split="train")
+            text = joined_column(ds, cfg)
         else:
-            ds = datasets.load_dataset(cfg.path, split="train")
+            text = joined_column(datasets.load_dataset(cfg.path, split="train"), cfg)
     except UserError:
         raise
     except Exception as e:
-        raise loading_error(e, "data.path", cfg.path) from None
-    column = cfg.text_column
-    if column not in ds.column_names:
-        raise UserError(f"data.text_column: {cfg.text_column!r} is not a column of {cfg.path!r}; columns: {', '.join(ds.column_names)}")
-    text = "\n".join(str(t) for t in ds[column] if t is not None)
+        raise loading_error(e, "data.path", cfg.path, [cfg.path] if path.is_file() else []) from None
     if "\x00" in text:
         raise UserError(f"data.path: {cfg.path!r} contains NUL bytes; is it a binary file?")
-    return text
+    return text, read
+
+
+def joined_column(ds, cfg: DataConfig) -> str:
+    """data.text_column's rows joined by newlines."""
+    if cfg.text_column not in ds.column_names:
+        raise UserError(f"data.text_column: {cfg.text_column!r} is not a column of {cfg.path!r}; columns: {', '.join(ds.column_names)}")
+    return "\n".join(str(t) for t in ds[cfg.text_column] if t is not None)
+
+
+def read_folder(cfg: DataConfig) -> tuple[str, str]:
+    """A folder's data files as one text: text files as one stream, rows of the others as documents joined by
+    newlines. A file of another kind is a one-line error; what is left out (the dataset card README.md, other
+    splits) is named in the returned description."""
+    sources = resolve_inputs([cfg.path], key="data.path")
+    parts = []
+    for src in sources:
+        rows = [str(t) for t in load_source(src, cfg.text_column, None, column_key="data.text_column")["text"] if t is not None]
+        parts.append("\n".join(rows) if src.documents else "".join(rows))
+    return "\n".join(parts), describe_folder(Path(cfg.path), sources)
 
 
 # ---------------------------------------------------------------- datasets
@@ -92,6 +101,23 @@ class TokenWindows(Dataset):
         # One gather for the whole batch instead of B slices and a stack.
         windows = self.ids[torch.as_tensor(indices).unsqueeze(1) + self._offsets]
         return windows[:, :-1], windows[:, 1:]
+
+
+class PaddedWindows(TokenWindows):
+    """TokenWindows whose samples end early: sample i keeps its first 1 + (i * 7919) % block_size targets and the
+    rest are IGNORE_INDEX, as in a batch of padded answers of different lengths (data.synthetic_padding)."""
+
+    def _mask(self, indices: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        keep = 1 + (indices * 7919) % self.block_size
+        return y.masked_fill(torch.arange(self.block_size) >= keep.unsqueeze(-1), IGNORE_INDEX)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = super().__getitem__(i)
+        return x, self._mask(torch.tensor(i), y)
+
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = super().__getitems__(indices)
+        return x, self._mask(torch.as_tensor(indices), y)
 
 
 class RandomClassification(Dataset):
@@ -137,6 +163,12 @@ class Data:
     # Streamed data (streaming_data.py): (world, rank, saved position or None) -> this rank's batches, an
     # iterator with state_dict(); the trainer saves that position in every checkpoint.
     train_stream: Callable[[int, int, Any], Iterator] | None = None
+    # No target is IGNORE_INDEX (losses.py): windows of text, class labels. The optimizer step then knows its
+    # count of valid targets without asking the other ranks (step.py); False (the safe default for a source you
+    # add) counts them, one all-reduce of one number per step.
+    all_targets_count: bool = False
+    # What a batch's inputs are, checked against the model's `inputs` (model_config.py): "token ids" or "feature vectors".
+    inputs: str = "token ids"
 
 
 def collate_fn(data: Data, dataset: Dataset) -> Callable:
@@ -166,10 +198,10 @@ def corpus_tokenizer(spec: str, text: str, saved: Tokenizer | None) -> Tokenizer
 
 def check_resumed_tokenizer(saved: Tokenizer, spec: str) -> None:
     """The resumed run's tokenizer is what data.tokenizer names (of that kind, for the ones built from the corpus)."""
-    if needs_corpus(spec) or spec == "byte":  # char, byte, bpe:N: the saved one must be of that kind
+    if needs_corpus(spec) or spec == "byte":  # char, byte, word, bpe:N: the saved one must be of that kind
         kind = {"char": "char", "byte": "byte"}.get(spec, "hf")
         if saved.kind != kind:
-            used = saved.kind if saved.kind != "hf" else "the bpe:N or tokenizer.json it was started with"
+            used = saved.kind if saved.kind != "hf" else "the bpe:N, word or tokenizer.json it was started with"
             raise UserError(f"data.tokenizer: the resumed run used the {saved.kind} tokenizer; resume with data.tokenizer={used}")
     elif saved.fingerprint != load_tokenizer(spec).fingerprint:
         raise UserError(f"data.tokenizer: the resumed run used another tokenizer than {spec!r}; resume with the one it was started with")
@@ -184,7 +216,7 @@ def build_datasets(cfg: Config, vocab: Tokenizer | None = None) -> Data:
     if d.path == "synthetic":
         return synthetic_data(cfg)
 
-    text = load_corpus(d)
+    text, read = read_corpus(d)
     if not text:
         raise UserError(f"data.path: {d.path!r} is empty")
     vocab = corpus_tokenizer(d.tokenizer, text, vocab)
@@ -202,7 +234,8 @@ def build_datasets(cfg: Config, vocab: Tokenizer | None = None) -> Data:
             f"data.path: {d.path!r} is too short: {len(ids)} tokens give {len(val_ids)} validation tokens, "
             f"need at least {need} for model.block_size={m.block_size}; use a longer corpus or a smaller block_size"
         )
-    return Data(TokenWindows(train_ids, m.block_size), TokenWindows(val_ids, m.block_size), vocab, vocab_size_for(vocab, cfg))
+    windows = TokenWindows(train_ids, m.block_size), TokenWindows(val_ids, m.block_size)
+    return Data(*windows, vocab, vocab_size_for(vocab, cfg), description=read, all_targets_count=True)
 
 
 def random_classification(cfg: Config) -> Data:
@@ -216,14 +249,15 @@ def random_classification(cfg: Config) -> Data:
         )
     train = RandomClassification(d.num_samples, in_features, classes, seed=cfg.train.seed)
     val = RandomClassification(d.num_samples, in_features, classes, seed=cfg.train.seed + 1)
-    return Data(train, val, None, classes)
+    return Data(train, val, None, classes, inputs="feature vectors", all_targets_count=True)
 
 
 def synthetic_data(cfg: Config) -> Data:
     """Uniformly random token ids (data.path=synthetic): speed benchmarks with no download and no tokenizer.
 
     The loss stays near ln(vocab_size): there is nothing to learn. The vocabulary is model.vocab_size
-    (or 256, the byte vocabulary); the train split holds data.num_samples tokens (at least two windows).
+    (or 256, the byte vocabulary); the train split holds data.num_samples tokens (at least two windows). With
+    data.synthetic_padding each sample's targets end early (PaddedWindows): batches of uneven valid tokens.
     """
     d, m = cfg.data, cfg.model
     vocab_size = m.vocab_size or ByteVocab.size
@@ -231,7 +265,9 @@ def synthetic_data(cfg: Config) -> Data:
     n_train = max(d.num_samples, m.block_size + 2)
     n_val = max(int(n_train * d.val_fraction), m.block_size + 2)
     ids = torch.randint(0, vocab_size, (n_train + n_val,), generator=g)
-    return Data(TokenWindows(ids[:n_train], m.block_size), TokenWindows(ids[n_train:], m.block_size), None, vocab_size)
+    windows = PaddedWindows if d.synthetic_padding else TokenWindows
+    train, val = windows(ids[:n_train], m.block_size), windows(ids[n_train:], m.block_size)
+    return Data(train, val, None, vocab_size, all_targets_count=not d.synthetic_padding)
 
 
 def train_loader(
@@ -263,13 +299,17 @@ def train_loader(
     )
 
 
-def val_loader(data: Data, cfg: Config) -> DataLoader:
-    """A fixed set of eval.iters x eval.batch_size validation samples, the same at every evaluation and topology.
+def eval_batch_size(cfg: Config, dp_size: int) -> int:
+    """Samples per validation batch, across all data-parallel ranks: eval.batch_size, else the samples of one
+    micro-step of the global batch (train.batch_size x data-parallel ranks), which is the same number on every
+    layout of one global batch: 1 x 8 and 2 x 4 evaluate the same samples."""
+    return cfg.eval.batch_size or cfg.train.batch_size * dp_size
 
-    Not sharded here: `accelerator.prepare` shards it, and `gather_for_metrics` drops the samples it
-    repeats to even out the last batch, so every sample counts exactly once.
-    """
-    batch_size = cfg.eval.batch_size or cfg.train.batch_size
+
+def val_loader(data: Data, cfg: Config, dp_size: int) -> DataLoader:
+    """A fixed set of eval.iters global batches of validation samples, the same at every evaluation; each
+    global batch is split across the data-parallel ranks by evaluation.py, so every sample counts exactly once."""
+    batch_size = eval_batch_size(cfg, dp_size)
     n_eval = cfg.eval.iters * batch_size
     g = torch.Generator().manual_seed(cfg.train.seed + 7919)
     n = len(data.val_set)

@@ -28,8 +28,22 @@ DATA_SOURCES: dict[str, Callable[[Config, Any], Data]] = {
 
 
 def check_source(cfg: Config) -> None:
+    """What can be checked before anything is loaded: the source exists, and the built-in one gives what the model takes."""
     check(
         cfg.data.source in DATA_SOURCES, f"data.source: unknown data source {cfg.data.source!r}; known: {', '.join(sorted(DATA_SOURCES))}"
+    )
+    if cfg.data.source == "text":
+        check_inputs(cfg, "feature vectors" if cfg.data.path == "random" else "token ids")
+
+
+def check_inputs(cfg: Config, inputs: str) -> None:
+    """The model takes what the data gives (its `inputs` against Data.inputs): the seed MLP's Linear layers on token ids
+    would fail in the first step on a dtype mismatch."""
+    takes = cfg.model.inputs
+    check(
+        takes == inputs,
+        f"model.name={cfg.model.name} takes {takes}, but data.path={cfg.data.path} (data.source={cfg.data.source}) gives {inputs}; "
+        f"choose a model that takes {inputs} or data that gives {takes}",
     )
 
 
@@ -37,8 +51,11 @@ def load_data(cfg: Config, vocab: Any = None) -> Data:
     """The data of `data.source` (pass the saved vocab when resuming, so token ids stay the same)."""
     check_source(cfg)
     if cfg.data.source == "text" and cfg.data.streaming:
-        return load_stream(cfg, vocab)
+        data = load_stream(cfg, vocab)
     # Every rank takes the prepared path if any does: a node whose copy is missing then says so (a collective).
-    if cfg.data.source == "text" and any_rank(is_prepared(cfg.data.path)):
-        return load_prepared(cfg, vocab)
-    return DATA_SOURCES[cfg.data.source](cfg, vocab)
+    elif cfg.data.source == "text" and any_rank(is_prepared(cfg.data.path)):
+        data = load_prepared(cfg, vocab)
+    else:
+        data = DATA_SOURCES[cfg.data.source](cfg, vocab)
+    check_inputs(cfg, data.inputs)  # a source of your own says what it gives
+    return data

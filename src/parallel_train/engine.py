@@ -1,6 +1,12 @@
-"""The Engine: how one optimizer step runs on this topology. The trainer talks to nothing else.
+"""The Engine: how this topology runs a model. The trainer talks to nothing else.
 
-Engines: `DataParallelEngine` (data_parallel.py; DDP, or DeepSpeed through accelerate), `MeshEngine`
+What every engine has in common is written once: the optimizer step (step.py: micro-batches, the step's count
+of valid tokens, unscale, clip, guard, update) and evaluation (evaluation.py). An engine supplies only what
+differs between topologies: how the micro-batches of one step go forward and backward and how their gradients
+are synchronised (`forward_backward`), where its gradients live for the global norm (`clip_grad_norm`), and
+its forward for evaluation (`eval_forward`).
+
+Engines: `DataParallelEngine` (ddp_engine.py; DDP, or DeepSpeed through accelerate), `MeshEngine`
 (mesh_engine.py; FSDP2, HSDP and tensor parallel on a device mesh), and the pipeline engines
 (pipeline/inprocess.py: stages on several devices in one process; pipeline/distributed.py: one stage per
 process, on the mesh). topology.py picks one for a config. Every engine owns the model and the optimizer, and every
@@ -9,21 +15,12 @@ method marked "a collective" must be called by every rank, in the same order.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from torch import nn
-
-# (mean loss of the step, global gradient norm or None) -> may the optimizer apply this step's update?
-UpdateGate = Callable[[torch.Tensor, torch.Tensor | None], bool]
-
-
-def allow_every_update(loss: torch.Tensor, grad_norm: torch.Tensor | None) -> bool:
-    """The default gate, until the trainer installs guards.RunGuard.update_allowed (which skips non-finite steps)."""
-    return True
 
 
 @dataclass
@@ -46,23 +43,28 @@ class Engine(Protocol):
     accelerator: Any  # accelerate.Accelerator (imported lazily: it costs seconds)
     optimizer: torch.optim.Optimizer  # holds exactly this rank's parameters (whole model, shard or stage)
     device: torch.device  # where targets meet the logits
-    model: nn.Module | None  # what forward runs through in this process; None when split over stage views
     dp_size: int  # data-parallel replicas: each global batch is cut into this many shards
     dp_rank: int  # the shard this process reads
-    update_allowed: UpdateGate
+    loss_owner: bool  # this rank's loss counts in the logged loss (not a tensor-parallel copy, nor a non-last stage)
 
-    def train_step(self, batches: Iterator) -> tuple[torch.Tensor, int]:
-        """One optimizer step over gradient_accumulation_steps micro-batches: (this rank's mean loss as a device
-        tensor, tokens this rank saw). No host-device sync: the trainer reads the loss on log steps only."""
+    def forward_backward(self, micro: list[tuple[torch.Tensor, torch.Tensor]], scale: torch.Tensor, precision) -> torch.Tensor:
+        """Forward and backward of this rank's micro-batches of one optimizer step, each micro-batch's summed token
+        loss multiplied by `scale` (and the fp16 loss scale, `precision.scale`) before backward, gradients
+        synchronised over the data-parallel ranks once. Returns this rank's summed token loss (a device tensor:
+        no host sync). A collective."""
         ...
 
-    def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The step's loss averaged over data-parallel ranks, for logging. A collective."""
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip the gradients of the whole model (every rank's part) to max_norm; returns the global norm, the same
+        on every rank. A collective."""
         ...
 
-    def evaluate(self) -> dict[str, float]:
-        """Every validation metric (eval_metrics.py; "loss" first) over the fixed eval set, each sample counted
-        once across ranks. A collective."""
+    def eval_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Logits for inputs `x` where this rank reports them, None elsewhere. A collective on sharded models."""
+        ...
+
+    def set_training(self, on: bool) -> None:
+        """Training mode (dropout on) or evaluation mode, for every part this rank holds."""
         ...
 
     def flops_per_token(self) -> int | None:
@@ -71,7 +73,7 @@ class Engine(Protocol):
 
     def rank_state(self) -> RankState:
         """This rank's model and optimizer state by canonical name (see RankState). No communication, except under
-        DeepSpeed ZeRO-3, where accelerate gathers the weights (a collective there)."""
+        DeepSpeed ZeRO, where accelerate gathers the weights (a collective there)."""
         ...
 
     def finish(self, out: Path) -> dict[str, Any]:

@@ -8,7 +8,8 @@ Evaluation sums the statistics of every sample exactly once, across ranks (Accel
 drops the repeated samples of an uneven last batch), so a ratio of sums (a micro-average over tokens) or a
 corpus-level score comes out the same on 1 process as on 64.
 
-`loss` must stay: the trainer reads it (val_loss, best checkpoint). It is the mean of `per_sample_loss`.
+`loss` must stay: the trainer reads it (val_loss, best checkpoint). Like training, it is per token: the summed
+`token_losses` over the summed count of valid targets (IGNORE_INDEX, padding, counts nowhere).
 """
 
 from __future__ import annotations
@@ -18,9 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from parallel_train.losses import per_sample_loss
-
-IGNORE_INDEX = -100  # targets with this value (padding) count for nothing, as in F.cross_entropy
+from parallel_train.losses import IGNORE_INDEX, token_losses
 
 
 @dataclass(frozen=True)
@@ -30,9 +29,10 @@ class Metric:
 
 
 def loss_stats(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """(sample's loss, 1): their ratio of sums is the mean per-sample loss."""
-    losses = per_sample_loss(logits, targets)
-    return torch.stack([losses, torch.ones_like(losses)], dim=1)
+    """(sample's summed token loss, its valid targets): their ratio of sums is the loss per token."""
+    losses = token_losses(logits, targets).reshape(targets.shape[0], -1)
+    real = (targets != IGNORE_INDEX).reshape(targets.shape[0], -1)
+    return torch.stack([losses.sum(dim=1), real.sum(dim=1).to(losses.dtype)], dim=1)
 
 
 def accuracy_stats(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

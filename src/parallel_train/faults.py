@@ -12,6 +12,8 @@ separated by `;`.
     hang@3               stop answering after step 3 (the others must time out, not hang)
     sigterm@3, sigusr1@3, sigint@3   send this process a real signal after step 3
     nan@3                make the loss of step 3 NaN (through the model output)
+    overflow@3           make the gradients of step 3's first micro-batch inf, the loss staying finite: what an fp16
+                         loss scale too high for one batch does (the scaler must skip that update, not the guard)
     kill_in_prepare@2    SIGKILL scripts/prepare_data.py once its 2nd token shard is in place (no metadata yet)
     user_error@2         raise a UserError after step 2 (@0: at the start, before the process group exists)
     enospc@6             writing this rank's tensors of checkpoint 6 fails with ENOSPC (a full disk)
@@ -32,7 +34,19 @@ from pathlib import Path
 
 ENV = "PARALLEL_TRAIN_FAULT"
 SIGNALS = {"sigterm": signal.SIGTERM, "sigusr1": signal.SIGUSR1, "sigint": signal.SIGINT}
-KINDS = ("kill", "kill_in_save", "kill_in_prepare", "hang", "nan", "user_error", "enospc", "stale_listing", "unreadable", *SIGNALS)
+KINDS = (
+    "kill",
+    "kill_in_save",
+    "kill_in_prepare",
+    "hang",
+    "nan",
+    "overflow",
+    "user_error",
+    "enospc",
+    "stale_listing",
+    "unreadable",
+    *SIGNALS,
+)
 
 
 @dataclass
@@ -143,15 +157,23 @@ def in_prepare(shards: int) -> None:
 
 
 def install(model, current_step) -> None:
-    """For `nan@K`: a forward hook that turns the model output of step K into NaN. `current_step()` -> int."""
-    steps = [f for f in FAULTS if f.kind == "nan"]
-    if not steps or model is None:
+    """For `nan@K` and `overflow@K`: a forward hook on the model's output at step K. `current_step()` -> int."""
+    faults = [f for f in FAULTS if f.kind in ("nan", "overflow")]
+    if not faults or model is None:
         return
+    overflowed: set[int] = set()
 
     def poison(module, inputs, output):
-        if module.training and any(f.applies("nan", current_step()) for f in steps):
-            print(f"[fault] NaN output at step {current_step()}", flush=True)
+        step = current_step()
+        if not module.training:
+            return output
+        if any(f.applies("nan", step) for f in faults):
+            print(f"[fault] NaN output at step {step}", flush=True)
             return output * float("nan")
+        if step not in overflowed and any(f.applies("overflow", step) for f in faults):
+            overflowed.add(step)
+            print(f"[fault] inf gradients at step {step}", flush=True)
+            output.register_hook(lambda grad: grad * float("inf"))
         return output
 
     model.register_forward_hook(poison)

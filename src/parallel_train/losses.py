@@ -1,7 +1,11 @@
-"""The training loss. Change it here to train with your own objective.
+"""The training loss, per token. Change `token_losses` to train with your own objective.
 
-`per_sample_loss` returns one value per sample so that evaluation can gather exact per-sample losses
-across ranks (no duplicates on an uneven last batch); training uses their mean.
+Every loss here counts tokens, not samples: `token_losses` gives one loss per target position (0 where the
+target is IGNORE_INDEX: padding, a prompt the model should not learn to write), and the optimizer step divides
+the sum over all its micro-batches and all data-parallel ranks by the number of valid targets of that whole step
+(step.py), as torchtitan does with its global valid tokens. So a 5-token answer weighs 5 tokens, not one sample,
+and the loss is the same on 1 process, on 8, with accumulation or in a pipeline. Evaluation uses the same sums
+(eval_metrics.py): val loss and val accuracy are both per token.
 """
 
 from __future__ import annotations
@@ -9,13 +13,26 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+IGNORE_INDEX = -100  # a target with this value counts nowhere (F.cross_entropy's default ignore_index)
 
-def per_sample_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy over the last dim, averaged over every other dim but the batch: (B, ..., V) -> (B,)."""
-    losses = F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="none")
-    return losses.view(targets.shape[0], -1).mean(dim=1)
+
+def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of every target position, shaped like `targets` ((B, T) for text, (B,) for classes), 0 where
+    the target is IGNORE_INDEX. Logits in float32: a bf16 log-softmax over a large vocabulary loses precision."""
+    losses = F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="none", ignore_index=IGNORE_INDEX)
+    return losses.view(targets.shape)
+
+
+def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The summed loss of a micro-batch's valid targets (the optimizer step divides by the step's count)."""
+    return token_losses(logits, targets).sum()
+
+
+def valid_tokens(targets: torch.Tensor) -> torch.Tensor:
+    """How many targets count (not IGNORE_INDEX), as an int64 tensor."""
+    return (targets != IGNORE_INDEX).sum()
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean loss of a batch: equal to the mean over all tokens, since every sample has as many."""
-    return per_sample_loss(logits, targets).mean()
+    """The mean loss per valid token of one batch (scripts and tests; training divides by the whole step's count)."""
+    return loss_sum(logits, targets) / valid_tokens(targets).clamp(min=1)

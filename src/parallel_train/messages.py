@@ -7,6 +7,7 @@ processes run the same code and would repeat them) and once per distinct message
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import warnings
@@ -31,6 +32,8 @@ def quiet_third_party() -> None:
     Python's default repeats a warning for every module and line that triggers it, in every process.
     Set PYTHONWARNINGS (e.g. `PYTHONWARNINGS=default`) to see them all: an explicit setting wins.
     """
+    # datasets logs a malformed json file itself before raising; the one-line error names the row instead.
+    logging.getLogger("datasets.packaged_modules.json.json").setLevel(logging.CRITICAL)
     if sys.warnoptions:
         return
     action = "once" if os.environ.get("LOCAL_RANK", "0") == "0" else "ignore"

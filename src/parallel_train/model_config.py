@@ -18,6 +18,9 @@ class ModelConfig:
     name: str = opt("gpt", "model to build (see parallel_train/models/__init__.py)")
     block_size: int = opt(64, "context length in tokens (text data is cut into windows of this length)", min=1)
     vocab_size: int = opt(0, "0: take it from the data; else pad the vocab up to this size", min=0)
+    # What forward() takes (a class attribute, not a key): checked against what the data gives (Data.inputs) at
+    # start, so a model given the wrong data stops in one line instead of a dtype error inside its first layer.
+    inputs = "token ids"
 
     def check(self) -> None:
         """Rules between this model's keys (ranges are checked from the fields): raise UserError naming the key."""

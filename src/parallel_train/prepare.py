@@ -29,7 +29,7 @@ from parallel_train import faults
 from parallel_train.data_inputs import Source, load_source, resolve_inputs
 from parallel_train.errors import UserError
 from parallel_train.prepared_data import FORMAT, META, SPLITS, VERSION, read_meta, shard_name, shard_problem, token_dtype
-from parallel_train.tokenization import HF_FILE, VOCAB_FILE, Tokenizer, bpe_size, load_tokenizer, needs_corpus
+from parallel_train.tokenization import HF_FILE, VOCAB_FILE, Tokenizer, load_tokenizer, needs_corpus
 
 WORK = ".prepare-work"  # scratch space inside the output folder (datasets' Arrow files), removed at the end
 BATCH_ROWS = 1000  # rows per map batch: about 40 KB of text for a text file's lines
@@ -58,10 +58,10 @@ def text_batches(datasets_: list, rows: int = BATCH_ROWS):
 
 
 def build_tokenizer(spec: str, texts: list, num_proc: int) -> Tokenizer:
-    """A tokenizer that needs the corpus (char, bpe:N) is built from `texts`; the others are loaded."""
+    """A tokenizer that needs the corpus (char, word, bpe:N) is built from `texts`; the others are loaded."""
     if not needs_corpus(spec):
         return load_tokenizer(spec)
-    if bpe_size(spec) is not None:
+    if spec != "char":  # trained by `tokenizers` from batches of texts
         return load_tokenizer(spec, corpus=lambda: text_batches(texts))
     sets = [ds.map(_chars_of, batched=True, batch_size=BATCH_ROWS, num_proc=_procs(ds, num_proc), remove_columns=["text"], desc="characters")
             for ds in texts]  # fmt: skip
@@ -97,13 +97,13 @@ class Encoder:
             ids = np.fromiter((i for p in pieces for i in p), dtype=self.dtype)
         else:
             ids = tok.encode("".join(texts)).astype(self.dtype)
-        return {"ids": [ids], "chars": [sum(map(len, texts))]}
+        return {"ids": [ids], "chars": [sum(map(len, texts))], "top": [int(ids.max()) if len(ids) else -1]}
 
 
 def tokenize(sources: list[Source], texts: list, tokenizer: Tokenizer, dtype: str, num_proc: int, work: Path) -> list:
     from datasets import Features, Sequence, Value
 
-    features = Features({"ids": Sequence(Value(dtype)), "chars": Value("int64")})
+    features = Features({"ids": Sequence(Value(dtype)), "chars": Value("int64"), "top": Value("int64")})
     if num_proc > 1:  # forked workers must not inherit tokenizers' threads (they would warn, then run serially)
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     return [
@@ -132,19 +132,20 @@ class ShardWriter:
     def __init__(self, folder: Path, split: str, dtype: str, shard_tokens: int):
         self.folder, self.split, self.dtype, self.limit = folder, split, np.dtype(dtype), shard_tokens
         self.shards: list[dict[str, Any]] = []
-        self._file, self._hash, self._count = None, None, 0
+        self._file, self._hash, self._count, self._top = None, None, 0, -1
 
     def write(self, ids: np.ndarray) -> None:
         while len(ids):
             if self._file is None:
                 name = shard_name(self.split, len(self.shards))
-                self._file, self._hash, self._count = open(self.folder / f"{name}.tmp", "wb"), hashlib.sha256(), 0
+                self._file, self._hash, self._count, self._top = open(self.folder / f"{name}.tmp", "wb"), hashlib.sha256(), 0, -1
                 self.shards.append({"file": name})
             piece = ids[: self.limit - self._count].astype(self.dtype.newbyteorder("<"), copy=False)
             data = piece.tobytes()
             self._file.write(data)
             self._hash.update(data)
             self._count += len(piece)
+            self._top = max(self._top, int(piece.max()))  # what training checks against the tokenizer's vocabulary
             ids = ids[len(piece) :]
             if self._count == self.limit:
                 self._close()
@@ -155,7 +156,7 @@ class ShardWriter:
         os.fsync(f.fileno())
         f.close()
         os.replace(self.folder / f"{name}.tmp", self.folder / name)
-        self.shards[-1].update(tokens=self._count, bytes=self._count * self.dtype.itemsize, sha256=self._hash.hexdigest())
+        self.shards[-1].update(tokens=self._count, bytes=self._count * self.dtype.itemsize, sha256=self._hash.hexdigest(), max_id=self._top)
         self._file = None
         ShardWriter.written += 1
         faults.in_prepare(ShardWriter.written)  # test-only: a kill here must leave no dataset that looks complete
@@ -172,6 +173,17 @@ def count_tokens(tokenized: list) -> int:
     return sum(int(pc.sum(pc.list_value_length(ds.data.column("ids"))).as_py() or 0) for ds in tokenized)
 
 
+def check_ids(tokenized: list, tokenizer: Tokenizer, spec: str) -> None:
+    """Every id is below the tokenizer's vocabulary size (which sizes the model's embedding), checked before anything
+    in the output folder is replaced: an id beyond it would be an IndexError inside the embedding, mid-training."""
+    import pyarrow.compute as pc
+
+    tops = [pc.max(ds.data.column("top")).as_py() for ds in tokenized]
+    top = max((t for t in tops if t is not None), default=-1)
+    if top >= tokenizer.size:
+        raise UserError(f"--tokenizer {spec}: gives token id {top:,}, beyond its {tokenizer.size:,} ids; is its tokenizer.json complete?")
+
+
 def write_shards(tokenized: list, folder: Path, dtype: str, opts: Options, progress) -> dict[str, Any]:
     """Stream the tokenized rows into train shards, then (the last val_fraction of the tokens) val shards."""
     total = count_tokens(tokenized)
@@ -180,7 +192,7 @@ def write_shards(tokenized: list, folder: Path, dtype: str, opts: Options, progr
     chars = {s: 0.0 for s in SPLITS}
     pos = 0
     for ds in tokenized:
-        for table in ds.with_format("arrow").iter(batch_size=64):
+        for table in ds.with_format("arrow").iter(batch_size=4):  # a row holds the ids of up to 1 MB of text
             for ids, n_chars in zip(_rows(table), table.column("chars").to_pylist(), strict=True):
                 cut = min(max(val_start - pos, 0), len(ids))
                 writers["train"].write(ids[:cut])
@@ -307,6 +319,7 @@ def _prepare_into(out: Path, work: Path, sources: list[Source], inputs_fingerpri
     tokenized = tokenize(sources, texts, tokenizer, dtype, opts.num_proc, work)
     if count_tokens(tokenized) == 0:
         raise UserError(f"--input {' '.join(opts.inputs)}: no text (empty)")
+    check_ids(tokenized, tokenizer, opts.tokenizer)
     clear(out)  # from here on the folder is not a dataset until the metadata is written
     with tqdm(desc="writing shards", unit="tok", unit_scale=True, disable=None) as progress:
         splits = write_shards(tokenized, out, dtype, opts, progress)

@@ -2,13 +2,14 @@
 
 `scripts/prepare_data.py` (prepare.py) writes a folder:
     prepared.json            the metadata, written last: tokenizer, vocabulary size, dtype, token counts,
-                             each shard's size and sha256, the fingerprint of the inputs
+                             each shard's size, sha256 and largest token id, the fingerprint of the inputs
     train_000000.bin ...     the train tokens, flat little-endian uint16 (uint32 if the vocabulary needs it)
     val_000000.bin ...       the validation tokens (the last data.val_fraction of the text)
     vocab.json | tokenizer.json   the tokenizer
-`train.py data.path=FOLDER` recognizes the folder by prepared.json. Every rank checks the shards' sizes (and,
-with data.verify, their sha256) against it, and all ranks compare the hash of their prepared.json with rank
-0's: a node with another or a partial copy stops the run with one line naming the node and the file.
+`train.py data.path=FOLDER` recognizes the folder by prepared.json. Every rank checks the shards' sizes and
+recorded largest token ids (with data.verify, also their sha256 and the ids themselves) against it and the
+tokenizer's vocabulary, and all ranks compare the hash of their prepared.json with rank 0's: a node with another
+or a partial copy stops the run with one line naming the node and the file.
 
 Samples are windows of block_size + 1 tokens at stride block_size (the inputs do not overlap: every token is
 a target once per epoch), ordered by batch_sampler.py's seeded permutation, which is computed, not stored:
@@ -50,9 +51,14 @@ def token_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
 
 
-def sha256_file(path: Path) -> str:
+def scan_shard(path: Path, dtype: str, chunk: int = 1 << 24) -> tuple[str, int]:
+    """(sha256, largest token id) of a shard, in one streamed pass (-1 for an empty shard)."""
+    h, top, dt = hashlib.sha256(), -1, np.dtype(dtype).newbyteorder("<")
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()  # streams the file in chunks
+        while data := f.read(chunk):  # chunk is a multiple of every itemsize: no token is cut
+            h.update(data)
+            top = max(top, int(np.frombuffer(data, dtype=dt).max()))
+    return h.hexdigest(), top
 
 
 def is_prepared(path: str) -> bool:
@@ -82,6 +88,7 @@ def read_meta(folder: Path) -> tuple[dict[str, Any], str]:
         for split in SPLITS:
             for s in meta["splits"][split]["shards"]:
                 assert s["bytes"] == s["tokens"] * np.dtype(meta["dtype"]).itemsize, f"{s['file']} size"
+                assert isinstance(s.get("max_id", -1), int), f"{s['file']} max_id"
             assert sum(s["tokens"] for s in meta["splits"][split]["shards"]) == meta["splits"][split]["tokens"], f"{split} tokens"
         assert isinstance(meta["tokenizer"]["fingerprint"], str) and isinstance(meta["tokenizer"]["vocab_size"], int), "tokenizer"
     except (AssertionError, KeyError, TypeError, ValueError) as e:
@@ -91,8 +98,10 @@ def read_meta(folder: Path) -> tuple[dict[str, Any], str]:
     return meta, hashlib.sha256(raw).hexdigest()
 
 
-def shard_problem(folder: Path, meta: dict[str, Any], full_hash: bool) -> str | None:
-    """What is wrong with the shards next to prepared.json (missing, truncated, other content), or None."""
+def shard_problem(folder: Path, meta: dict[str, Any], full_hash: bool, id_limit: int | None = None) -> str | None:
+    """What is wrong with the shards next to prepared.json (missing, truncated, other content, token ids of `id_limit`
+    or more: the vocabulary of the tokenizer next to them), or None. The largest id prepared.json records is checked
+    always, the ids themselves when the shards are hashed."""
     for split in SPLITS:
         for s in meta["splits"][split]["shards"]:
             path = folder / s["file"]
@@ -101,8 +110,16 @@ def shard_problem(folder: Path, meta: dict[str, Any], full_hash: bool) -> str | 
             size = path.stat().st_size
             if size != s["bytes"]:
                 return f"{path} is {size:,} bytes, {META} says {s['bytes']:,} (truncated, or from another preparation)"
-            if full_hash and sha256_file(path) != s["sha256"]:
-                return f"{path} does not match {META} (its sha256 differs: changed, or from another preparation)"
+            top = s.get("max_id", -1)  # absent in data prepared before it was recorded
+            if full_hash:
+                sha, top = scan_shard(path, meta["dtype"])
+                if sha != s["sha256"]:
+                    return f"{path} does not match {META} (its sha256 differs: changed, or from another preparation)"
+            if id_limit is not None and top >= id_limit:
+                return (
+                    f"{path} holds token id {top:,}, beyond the {id_limit:,} ids of the tokenizer next to it "
+                    f"(an edited {META} or tokenizer file, or another preparation's shards)"
+                )
     return None
 
 
@@ -155,13 +172,11 @@ def check_folder(folder: Path, verify: str) -> tuple[dict[str, Any] | None, str 
     except UserError as e:
         return None, None, str(e).removeprefix("data.path: ")
     full = wants_full_hash(verify, meta) and int(os.environ.get("LOCAL_RANK", "0")) == 0  # one hash per node
-    problem = shard_problem(folder, meta, full)
-    if problem is None:
-        try:
-            tokenizer_of(folder, meta)
-        except UserError as e:
-            problem = str(e).removeprefix("data.path: ")
-    return meta, meta_sha, problem
+    try:
+        id_limit, tokenizer_problem = tokenizer_of(folder, meta).size, None
+    except UserError as e:
+        id_limit, tokenizer_problem = None, str(e).removeprefix("data.path: ")
+    return meta, meta_sha, shard_problem(folder, meta, full, id_limit) or tokenizer_problem
 
 
 def agree(folder: Path, meta_sha: str | None, problem: str | None) -> None:
@@ -279,4 +294,4 @@ def load_prepared(cfg: Config, saved: Tokenizer | None = None) -> Data:
             f"data.path: {folder} is too short for model.block_size={T}: {splits['train']['tokens']:,} train and "
             f"{splits['val']['tokens']:,} validation tokens, each split needs at least {T + 1}"
         )
-    return Data(train, val, tokenizer, vocab_size, order="seeded", description=info.describe())
+    return Data(train, val, tokenizer, vocab_size, order="seeded", description=info.describe(), all_targets_count=True)

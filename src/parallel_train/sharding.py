@@ -8,7 +8,8 @@ estimate counts exactly the parameters a real run holds.
    The plan belongs to the model (models/gpt.py keeps it next to the layers it cuts, as torchtitan does;
    models/hf.py translates transformers' own plan for the architecture, hf_tensor_parallel.py); parts
    a pipeline stage does not hold are skipped.
-2. FSDP2 (`parallel.dp_shard`, with dp_replicate: HSDP): `fully_shard` on every unit the model names
+2. `train.compile`: each block (the FSDP units below) compiled on its own, as torchtitan does.
+3. FSDP2 (`parallel.dp_shard`, with dp_replicate: HSDP): `fully_shard` on every unit the model names
    (`fsdp_units`: GPT's blocks, a Hugging Face model's decoder layers; one FSDP unit each: only one block's whole
    weights exist at a time), then on the model itself for the rest (embeddings, final norm, head). Over a TP model this shards the TP slices further (2-D DTensors).
 Parameter names never change, so checkpoints stay those of the unsplit model.
@@ -58,28 +59,41 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
     return [block for child in model.children() if isinstance(child, CONTAINERS) for block in child.children()]
 
 
-def parallelize(model: nn.Module, mesh, layout: MeshLayout, reshard_after_forward: bool = True) -> nn.Module:
-    """Tensor parallel, then FSDP2, in place. `mesh` is mesh.build_device_mesh's (all four axes)."""
+def parallelize(
+    model: nn.Module,
+    mesh,
+    layout: MeshLayout,
+    mp_policy=None,
+    compile: bool = False,
+    shard_data_parallel: bool | None = None,
+    reshard_after_forward: bool = True,
+) -> str:
+    """Tensor parallel, then torch.compile per block, then FSDP2, in place (torchtitan's order: each block is
+    compiled with its tensor-parallel collectives, and FSDP2's hooks stay outside the compiled code). `mesh` is
+    mesh.build_device_mesh's (all four axes). `mp_policy`: FSDP2's MixedPrecisionPolicy (precision.py).
+    `shard_data_parallel`: put FSDP2 over the data-parallel axes (default: when the layout shards; a pipeline
+    also asks for it with plain replicas, which FSDP2 then keeps whole and all-reduces like DDP).
+    Returns what was compiled, for the start banner ("" when nothing)."""
     if layout.tp > 1:
         from torch.distributed.tensor.parallel import parallelize_module
 
         parallelize_module(model, mesh["tp"], tensor_parallel_plan(model, layout.tp))
-    if layout.dp > 1 and layout.sharded:
-        from torch.distributed.fsdp import fully_shard
+    compiled = ""
+    if compile:
+        # In place (nn.Module.compile): parameter names stay canonical for checkpoints.
+        units = fsdp_units(model) or [model]
+        for unit in units:
+            unit.compile()
+        compiled = "the model" if units[0] is model else f"{len(units)} blocks, each on its own (torch.compile)"
+    if layout.dp > 1 and (layout.sharded if shard_data_parallel is None else shard_data_parallel):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        dp_mesh = data_parallel_mesh(mesh, layout)
+        options = {"mesh": data_parallel_mesh(mesh, layout), "reshard_after_forward": reshard_after_forward}
+        options["mp_policy"] = mp_policy or MixedPrecisionPolicy()
         for block in fsdp_units(model):
-            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
-        fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
-    return model
-
-
-def retarget_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], model: nn.Module) -> None:
-    """parallelize() replaced the parameters by sharded ones (DTensors): point the optimizer's groups at those,
-    by name, in place (the learning-rate schedule holds this optimizer). `names`: id(old parameter) -> name."""
-    current = dict(model.named_parameters())
-    for group in optimizer.param_groups:
-        group["params"] = [current[names[id(q)]] for q in group["params"] if names.get(id(q)) in current]
+            fully_shard(block, **options)
+        fully_shard(model, **options)
+    return compiled
 
 
 def local_numel(module: nn.Module) -> int:

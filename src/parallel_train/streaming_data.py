@@ -32,7 +32,8 @@ import torch
 from torch.utils.data import Dataset
 
 from parallel_train.config import Config
-from parallel_train.data import LOCAL_FORMATS, Data, check_resumed_tokenizer, loading_error, vocab_size_for
+from parallel_train.data import Data, check_resumed_tokenizer, vocab_size_for
+from parallel_train.data_inputs import LOCAL_FORMATS, loading_error
 from parallel_train.errors import UserError
 from parallel_train.tokenization import Tokenizer, load_tokenizer, needs_corpus
 
@@ -51,8 +52,10 @@ class StreamWindows:
         block_size: int,
         batch_size: int,
         what: str = "this rank's part of the stream",  # for the error when it holds no text
+        files: list[str] | None = None,  # the local files streamed, searched for a malformed row when reading fails
     ):
         self.make_stream, self.tokenizer, self.documents, self.column, self.what = make_stream, tokenizer, documents, column, what
+        self.files = files or []
         self.T, self.B = block_size, batch_size
         self.epoch, self._saved, self._skip = 0, None, 0  # where the next pass starts
         self._docs: Iterator | None = None
@@ -89,7 +92,7 @@ class StreamWindows:
                 stream.load_state_dict(self._saved)
             # Until it is iterated, a datasets stream reports its initial state, not a loaded one.
             before = self._saved if self._saved is not None else stream.state_dict()
-            for row in stream:
+            for row in self._rows(stream):
                 if self.column not in row:  # a json stream says its columns only when read
                     raise UserError(f"data.text_column: {self.column!r} is not a column of the stream; columns: {', '.join(row)}")
                 text = row[self.column]
@@ -101,6 +104,18 @@ class StreamWindows:
             if not produced and self._saved is None:
                 raise UserError(f"data.path: {self.what} holds no text in data.text_column={self.column!r}")
             self.epoch, self._saved, self._skip = self.epoch + 1, None, 0
+
+    def _rows(self, stream: Any) -> Iterator[dict[str, Any]]:
+        """The stream's rows; a file that cannot be read (a malformed json row) is one line, not a traceback mid-run."""
+        rows = iter(stream)
+        while True:
+            try:
+                row = next(rows)
+            except StopIteration:
+                return
+            except Exception as e:
+                raise loading_error(e, "data.path", self.what, self.files) from None
+            yield row
 
     def _pull(self) -> None:
         if self._docs is None:
@@ -171,8 +186,8 @@ def split_files(folder: Path) -> tuple[str, list[str], list[str]]:
     return formats.pop(), train, val
 
 
-def open_splits(cfg: Config) -> tuple[Any, Any, bool]:
-    """(train stream, validation stream, rows are documents) for data.path, through `datasets` streaming."""
+def open_splits(cfg: Config) -> tuple[Any, Any, bool, list[str]]:
+    """(train stream, validation stream, rows are documents, the local files) for data.path, through `datasets` streaming."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -182,7 +197,7 @@ def open_splits(cfg: Config) -> tuple[Any, Any, bool]:
             fmt, train, val = split_files(path)
             kwargs = {"sample_by": "line", "keep_linebreaks": True} if fmt == "text" else {}
             splits = datasets.load_dataset(fmt, data_files={"train": train, "validation": val}, streaming=True, **kwargs)
-            return splits["train"], splits["validation"], fmt != "text"
+            return splits["train"], splits["validation"], fmt != "text", train + val
         if path.exists():
             raise UserError(f"data.path: {path} is a file; data.streaming=true reads a folder of files or a Hub dataset")
         splits = datasets.load_dataset(cfg.data.path, streaming=True)
@@ -195,7 +210,7 @@ def open_splits(cfg: Config) -> tuple[Any, Any, bool]:
         raise UserError(
             f"data.path: {cfg.data.path!r} needs a train and a validation (or test) split to stream; its splits: {', '.join(splits)}"
         )
-    return splits["train"], splits[val_name], True
+    return splits["train"], splits[val_name], True, []
 
 
 def column_of(stream: Any, documents: bool, cfg: Config) -> str:
@@ -232,11 +247,11 @@ def load_stream(cfg: Config, saved: Tokenizer | None = None) -> Data:
     """The `Data` of a stream: the validation windows in memory, and a factory for each rank's train batches."""
     tokenizer = stream_tokenizer(cfg, saved)
     vocab_size = vocab_size_for(tokenizer, cfg)
-    train, val, documents = open_splits(cfg)
+    train, val, documents, files = open_splits(cfg)
     column = column_of(train, documents, cfg)
     n_eval = cfg.eval.iters * (cfg.eval.batch_size or cfg.train.batch_size)
     what = f"the validation split of {cfg.data.path!r}"
-    reader = StreamWindows(partial(rank_stream, val, 1, 0), tokenizer, documents, column, cfg.model.block_size, 1, what)
+    reader = StreamWindows(partial(rank_stream, val, 1, 0), tokenizer, documents, column, cfg.model.block_size, 1, what, files)
     windows = []
     while len(windows) < n_eval and reader.epoch == 0:
         windows.append(reader.window())
@@ -247,7 +262,7 @@ def load_stream(cfg: Config, saved: Tokenizer | None = None) -> Data:
 
     def train_stream(world: int, rank: int, position: dict[str, Any] | None) -> StreamWindows:
         batches = StreamWindows(
-            partial(rank_stream, train, world, rank), tokenizer, documents, column, cfg.model.block_size, cfg.train.batch_size
+            partial(rank_stream, train, world, rank), tokenizer, documents, column, cfg.model.block_size, cfg.train.batch_size, files=files
         )
         if position is not None:
             batches.load_state_dict(position)
@@ -257,7 +272,13 @@ def load_stream(cfg: Config, saved: Tokenizer | None = None) -> Data:
         f"streaming {cfg.data.path} ({'documents' if documents else 'text lines'}), tokenizer {cfg.data.tokenizer} ({tokenizer.size:,} ids)"
     )
     return Data(
-        None, FixedWindows(torch.from_numpy(np.stack(windows))), tokenizer, vocab_size, train_stream=train_stream, description=described
+        None,
+        FixedWindows(torch.from_numpy(np.stack(windows))),
+        tokenizer,
+        vocab_size,
+        train_stream=train_stream,
+        description=described,
+        all_targets_count=True,
     )
 
 

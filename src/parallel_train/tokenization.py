@@ -4,6 +4,8 @@ Kinds (`data.tokenizer`, `scripts/prepare_data.py --tokenizer`):
     char        one id per character of the corpus (built from it)            saved as vocab.json
     byte        one id per UTF-8 byte (256 ids)                                saved as vocab.json
     bpe:N       a byte-level BPE of N ids trained on the corpus (Hugging Face `tokenizers`)
+    word        one id per whitespace-separated word of the corpus, plus <eos> at every line end and <unk>
+                for words it never saw (a `tokenizers` WordLevel model, as pytorch/examples' word_language_model)
     PATH        a tokenizer.json, or a folder holding one (an AutoTokenizer-style folder), or a folder
                 where a run or a prepared dataset saved its tokenizer
     NAME        a Hugging Face Hub tokenizer (e.g. gpt2), when online
@@ -31,7 +33,8 @@ from parallel_train.errors import UserError
 VOCAB_FILE, HF_FILE = "vocab.json", "tokenizer.json"
 # What a trained byte-level BPE puts between documents; tokenizer.json files from elsewhere are searched for these.
 END_OF_TEXT = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
-KINDS = "char, byte, bpe:N, a tokenizer.json, a folder holding one, or a Hub tokenizer name"
+KINDS = "char, byte, bpe:N, word, a tokenizer.json, a folder holding one, or a Hub tokenizer name"
+WORD_EOL, WORD_UNK = "<eos>", "<unk>"  # the word tokenizer's end of line (also its end of a document) and unknown word
 MAX_BPE = 1 << 24
 
 
@@ -116,14 +119,24 @@ class ByteVocab(TokenizerFiles):
 
 
 class HFTokenizer(TokenizerFiles):
-    """A Hugging Face `tokenizers.Tokenizer` (a trained bpe:N, a tokenizer.json, a Hub tokenizer)."""
+    """A Hugging Face `tokenizers.Tokenizer` (a trained bpe:N or word, a tokenizer.json, a Hub tokenizer)."""
 
     kind = "hf"
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
-        self.size = tokenizer.get_vocab_size(with_added_tokens=True)
+        # The largest id + 1, not the number of tokens: a vocabulary with gaps in its ids must still fit the embedding.
+        ids = tokenizer.get_vocab(with_added_tokens=True).values()
+        self.size = max(tokenizer.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
         self.eot = next((i for i in map(tokenizer.token_to_id, END_OF_TEXT) if i is not None), None)
+
+    def problem(self) -> str | None:
+        """What makes this tokenizer fail on some text, or None: an unk token (what an unknown word or character
+        becomes) that its vocabulary lacks, which `tokenizers` reports only when it meets such a word, mid-data."""
+        unk = getattr(self.tokenizer.model, "unk_token", None)
+        if unk is not None and self.tokenizer.token_to_id(unk) is None:
+            return f"its unk token {unk!r} is not in its vocabulary; add it to model.vocab in the file, or remove unk_token"
+        return None
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
@@ -168,8 +181,8 @@ def check_spec(spec: str, key: str = "data.tokenizer") -> None:
 
 
 def needs_corpus(spec: str) -> bool:
-    """char and bpe:N are built from the corpus; the others exist on their own."""
-    return spec == "char" or bpe_size(spec) is not None
+    """char, word and bpe:N are built from the corpus; the others exist on their own."""
+    return spec in ("char", "word") or bpe_size(spec) is not None
 
 
 def train_bpe(batches: Iterable[list[str]], vocab_size: int, length: int | None = None) -> HFTokenizer:
@@ -190,13 +203,47 @@ def train_bpe(batches: Iterable[list[str]], vocab_size: int, length: int | None 
     return HFTokenizer(core)
 
 
+def train_word(batches: Iterable[list[str]], length: int | None = None) -> HFTokenizer:
+    """A word-level tokenizer (data.tokenizer=word) built from batches of texts: every whitespace-separated word
+    its own id (the vocabulary is every word seen, most frequent first), each line break the word <eos>, and <unk>
+    for a word it never saw. It is a plain tokenizer.json, which anything that reads one reloads."""
+    from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFCore
+
+    core = HFCore(models.WordLevel(unk_token=WORD_UNK))
+    core.normalizer = normalizers.Replace("\n", f" {WORD_EOL} ")
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # Decoding: words joined by spaces (WordPiece's decoder with a prefix no word has: text never holds NUL), then
+    # each <eos> back to a line break.
+    core.decoder = decoders.Sequence(
+        [decoders.WordPiece(prefix="\x00", cleanup=False), decoders.Fuse(), decoders.Replace(Regex(f" ?{WORD_EOL} ?"), "\n")]
+    )
+    core.train_from_iterator(batches, trainers.WordLevelTrainer(vocab_size=MAX_BPE, show_progress=False), length=length)
+    # <unk> and <eos> first, then the words by frequency, ids without gaps: as the trainer's special tokens, a counted
+    # <eos> would take a second id and leave a hole. Plain words, not added tokens, so that a text holding no line
+    # break still has <eos> for the end of a document.
+    vocab = {WORD_UNK: 0, WORD_EOL: 1}
+    for word, _ in sorted(core.get_vocab().items(), key=lambda item: item[1]):
+        vocab.setdefault(word, len(vocab))
+    core.model = models.WordLevel(vocab, unk_token=WORD_UNK)
+    return HFTokenizer(core)
+
+
 def load_hf_file(path: Path) -> HFTokenizer:
     from tokenizers import Tokenizer as HFCore
 
     try:
-        return HFTokenizer(HFCore.from_file(str(path)))
+        tokenizer = HFTokenizer(HFCore.from_file(str(path)))
     except Exception as e:  # tokenizers raises a bare Exception for malformed files
         raise UserError(f"tokenizer {path}: not a readable tokenizer.json ({str(e).splitlines()[0][:160]})") from None
+    return checked(tokenizer, str(path))
+
+
+def checked(tokenizer: HFTokenizer, where: str) -> HFTokenizer:
+    """The tokenizer, if it can encode any text; else a one-line error naming `where` it came from."""
+    if (problem := tokenizer.problem()) is not None:
+        raise UserError(f"tokenizer {where}: {problem}")
+    return tokenizer
 
 
 def load_saved(folder: Path) -> Tokenizer | None:
@@ -223,11 +270,11 @@ def load_vocab(path: Path) -> CharVocab | ByteVocab:
 
 
 def load_tokenizer(spec: str, corpus: Callable[[], Iterable[list[str]]] | None = None) -> Tokenizer:
-    """The tokenizer a spec names: char, byte, bpe:N, a tokenizer.json, a folder (a Hugging Face model or
+    """The tokenizer a spec names: char, byte, bpe:N, word, a tokenizer.json, a folder (a Hugging Face model or
     tokenizer folder, a run, a checkpoint, a prepared dataset), or a Hub tokenizer name.
 
-    char and bpe:N are built from `corpus`, a function returning an iterable of batches of texts (it is called
-    once per pass); without one they are an error. Every failure is a one-line UserError.
+    char, word and bpe:N are built from `corpus`, a function returning an iterable of batches of texts (it is
+    called once per pass); without one they are an error. Every failure is a one-line UserError.
     """
     spec = str(spec)
     check_spec(spec, key="tokenizer")
@@ -238,6 +285,8 @@ def load_tokenizer(spec: str, corpus: Callable[[], Iterable[list[str]]] | None =
             raise UserError(
                 f"tokenizer {spec!r} is built from a corpus; prepare the data first (scripts/prepare_data.py) or give a saved one"
             )
+        if spec == "word":
+            return train_word(corpus())
         n = bpe_size(spec)
         if n is None:
             return CharVocab(sorted(set().union(*(set("".join(batch)) for batch in corpus()))))
@@ -261,7 +310,8 @@ def _from_hub(name: str) -> HFTokenizer:
     from tokenizers import Tokenizer as HFCore
 
     try:
-        return HFTokenizer(HFCore.from_pretrained(name))
+        tokenizer = HFTokenizer(HFCore.from_pretrained(name))
     except Exception as e:  # offline, no such repository, no tokenizer.json in it
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         raise UserError(f"tokenizer {name!r}: not {KINDS} that could be loaded ({first})") from None
+    return checked(tokenizer, repr(name))

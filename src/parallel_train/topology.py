@@ -4,7 +4,7 @@ parallel.stage_devices given          -> pipeline in one process over those devi
 parallel.pipeline_stages > 1          -> one pipeline stage per process (pipeline/distributed.py), on the mesh
 parallel.dp_shard or parallel.tp > 1  -> the device mesh: FSDP2 / HSDP / tensor parallel (mesh_engine.py);
   also an FSDP launch config (fsdp.yaml, fsdp_tp.yaml, hsdp.yaml), which shards on CPU too
-otherwise                             -> data parallel: DDP, or DeepSpeed via accelerate (data_parallel.py)
+otherwise                             -> data parallel: DDP, or DeepSpeed via accelerate (ddp_engine.py)
 
 The mesh (mesh.py) is resolved from the keys, the launch config and the world size first: a product that is
 not the world size is a one-line error before anything is built.
@@ -19,17 +19,35 @@ import torch
 from torch import nn
 
 from parallel_train.config import Config
-from parallel_train.data_parallel import DataParallelEngine
+from parallel_train.ddp_engine import DataParallelEngine, OptimizerFactory
 from parallel_train.engine import Engine
 from parallel_train.errors import UserError
 from parallel_train.mesh import resolve_layout
 from parallel_train.mesh_engine import MeshEngine
 from parallel_train.pipeline.distributed import MultiProcessPipelineEngine
 from parallel_train.pipeline.inprocess import InProcessPipelineEngine
+from parallel_train.precision import Precision
 
 
-def build_engine(cfg: Config, accelerator, model: nn.Module, optimizer: torch.optim.Optimizer, val_loader) -> Engine:
-    """The engine for this config and launch; it takes ownership of the model and the optimizer."""
+def data_parallel_size(cfg: Config, world: int) -> int:
+    """How many shards each global batch is cut into under this config and launch (the engine's dp_size)."""
+    if cfg.parallel.stage_devices or (cfg.parallel.pipeline_stages > 1 and world == 1):
+        return world  # every process runs all the stages: one replica each (build_engine words a pipeline in one process)
+    return resolve_layout(cfg, world).dp
+
+
+def splits_the_model(cfg: Config, world: int) -> bool:
+    """Whether no rank is meant to hold the whole model: pipeline stages over processes, FSDP2, tensor parallel."""
+    if cfg.parallel.stage_devices or world == 1:
+        return False
+    layout = resolve_layout(cfg, world)
+    return layout.pp > 1 or layout.sharded
+
+
+def build_engine(cfg: Config, accelerator, model: nn.Module, init, make_optimizer: OptimizerFactory, precision: Precision, probe) -> Engine:
+    """The engine for this config and launch. It takes ownership of the model (on the meta device when the model
+    can start there: model_init.py), cuts it, has `init` fill the part this rank holds, and builds the optimizer
+    over those parameters (`make_optimizer(module)`). `probe()`: a batch for parallel.split=time."""
     p = cfg.parallel
     if p.stage_devices:
         if p.tp > 1 or p.dp_shard > 1:
@@ -37,7 +55,7 @@ def build_engine(cfg: Config, accelerator, model: nn.Module, optimizer: torch.op
                 "parallel.stage_devices (all stages in one process) combines with data parallelism only; for parallel.tp or "
                 "parallel.dp_shard leave stage_devices empty and launch one process per stage"
             )
-        return InProcessPipelineEngine(cfg, accelerator, model, optimizer, val_loader)
+        return InProcessPipelineEngine(cfg, accelerator, model, init, make_optimizer, precision, probe)
     if p.pipeline_stages > 1 and accelerator.num_processes == 1:
         S = p.pipeline_stages
         raise UserError(
@@ -47,10 +65,10 @@ def build_engine(cfg: Config, accelerator, model: nn.Module, optimizer: torch.op
         )
     layout = resolve_layout(cfg, accelerator.num_processes)
     if layout.pp > 1:
-        return MultiProcessPipelineEngine(cfg, accelerator, model, optimizer, val_loader, layout)
+        return MultiProcessPipelineEngine(cfg, accelerator, model, init, make_optimizer, precision, probe, layout)
     if layout.sharded:
-        return MeshEngine(cfg, accelerator, model, optimizer, val_loader, layout)
-    return DataParallelEngine(cfg, accelerator, model, optimizer, val_loader)
+        return MeshEngine(cfg, accelerator, model, init, make_optimizer, precision, layout)
+    return DataParallelEngine(cfg, accelerator, model, make_optimizer, precision, init)
 
 
 def describe(accelerator) -> str:

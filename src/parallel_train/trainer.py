@@ -6,7 +6,8 @@
     close      one clean-up path (try/finally), whatever ended the loop
 
 Parallelism lives in the engine (engine.py; topology.py picks one) and in the data sharding (batch_sampler.py):
-nothing here depends on the topology. What a checkpoint stores besides tensors is `self.state` (train_state.py).
+nothing here depends on the topology. The optimizer step (step.py) and evaluation (evaluation.py) are the same
+for every engine. What a checkpoint stores besides tensors is `self.state` (train_state.py).
 """
 
 from __future__ import annotations
@@ -20,24 +21,29 @@ import yaml
 from tqdm.auto import tqdm
 
 from parallel_train import checkpoint, faults
-from parallel_train.accelerator_setup import make_accelerator
+from parallel_train.accelerator_setup import deepspeed_runs, make_accelerator, requested_precision
 from parallel_train.config import Config
 from parallel_train.data import train_loader, val_loader
 from parallel_train.data_sources import load_data
 from parallel_train.disk import write_atomic, write_error
 from parallel_train.errors import is_first_process
+from parallel_train.evaluation import evaluate
 from parallel_train.guards import RunGuard, stop_message
 from parallel_train.messages import train_line
-from parallel_train.models import MODELS, build_model
+from parallel_train.model_init import Whole, start_model
+from parallel_train.models import MODELS
+from parallel_train.named_state import torch_optimizer
 from parallel_train.optim import build_optimizer, build_scheduler
 from parallel_train.output_dir import check_output_dir, lock_output_dir
 from parallel_train.perf import Throughput, configure_backends, mfu, peak_flops, process_age_s
 from parallel_train.plots import PICTURE, plot_runs
+from parallel_train.precision import make_precision
 from parallel_train.resume import choose_checkpoint
 from parallel_train.resume_config import SCHEDULE, apply_schedule, change_notice, config_changes
+from parallel_train.step import Stepper, StepResult
 from parallel_train.streaming_data import gather_positions, position_for
 from parallel_train.tokenization import load_saved
-from parallel_train.topology import build_engine, describe
+from parallel_train.topology import build_engine, describe, splits_the_model
 from parallel_train.tracking import MetricsLog, finish_trackers, init_trackers, prepare_tracker_env
 from parallel_train.train_state import TrainingState
 from parallel_train.weights_export import checkpoint_weights, export, load_weights
@@ -104,39 +110,52 @@ class Trainer:
         # Keys that may change on resume apply from the resumed step; any other change stops here (resume_config.py).
         self.changes = config_changes(self.resume_from, cfg) if self.resume_from else {}
         self.device = self.accelerator.device
+        self.precision = make_precision(requested_precision(cfg), self.device, self.accelerator.num_processes, deepspeed_runs())
         configure_backends(cfg.train, self.device)
         say(
             f"[parallel_train] {describe(self.accelerator)} | world size {self.accelerator.num_processes} | device {self.device} | "
-            f"precision {self.accelerator.mixed_precision} | config {config_path or 'defaults'} | output_dir {self.out} | tracker {tracker_word}"
+            f"precision {self.precision.name} | config {config_path or 'defaults'} | output_dir {self.out} | tracker {tracker_word}"
         )
         self._set_up_model_and_engine()
         self._resume_or_start()
         self._open_outputs()
 
     def _set_up_model_and_engine(self) -> None:
-        """Data, model, optimizer, schedule, engine. The same seed on every rank: identical initial weights."""
+        """Data, model, engine (which builds the optimizer over this rank's parameters), schedule. The same seed on
+        every rank: identical initial weights."""
         cfg, rank = self.cfg, self.accelerator.process_index
         # The tokenizer of a resumed run is reused, so token ids cannot shift.
         self.data = load_data(cfg, load_saved(self.resume_from) if self.resume_from else None)
         if self.data.description:
             say(f"[parallel_train] data: {self.data.description}")
-        torch.manual_seed(cfg.train.seed)
-        model = build_model(cfg.model, self.data.vocab_size)
-        self.optimizer = build_optimizer(model, cfg.train, fused=self.device.type == "cuda")
+        # On the meta device when the model can start there: no rank builds the whole model (model_init.py).
+        model, init = start_model(MODELS[cfg.model.name], cfg.model, self.data.vocab_size, cfg.train.seed)
+        if isinstance(init, Whole) and splits_the_model(cfg, self.accelerator.num_processes):
+            say(
+                f"notice: model.name={cfg.model.name} has no init_weights(name, module), so every rank builds the whole model "
+                "before it is sharded; add one for a meta-device start (models/gpt.py, src/parallel_train/model_init.py)"
+            )
+        fused = self.device.type == "cuda"
+        probe = lambda: [t[: cfg.train.batch_size] for t in next(iter(val_loader(self.data, cfg, 1)))]  # noqa: E731 (parallel.split=time)
+        make_optimizer = lambda m: build_optimizer(m, cfg.train, fused)  # noqa: E731 (over the parameters this rank holds)
+        self.engine = build_engine(cfg, self.accelerator, model, init, make_optimizer, self.precision, probe)
+        self.optimizer = torch_optimizer(self.engine.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
-        self.engine = build_engine(cfg, self.accelerator, model, self.optimizer, val_loader(self.data, cfg))
+        self.val_batches = val_loader(self.data, cfg, self.engine.dp_size)
         self.global_batch = cfg.train.batch_size * self.engine.dp_size * cfg.train.gradient_accumulation_steps
         say(
             f"[parallel_train] engine: {self.engine.name} | global batch {cfg.train.batch_size} x {self.engine.dp_size} data-parallel "
             f"ranks x {cfg.train.gradient_accumulation_steps} accumulation = {self.global_batch} samples per optimizer step"
         )
+        if self.engine.compiled:
+            say(f"[parallel_train] compiled: {self.engine.compiled}")
         torch.manual_seed(cfg.train.seed + 1 + rank)  # per-rank dropout masks
 
     def _resume_or_start(self) -> None:
         """The training state: a fresh one, or the checkpoint's (weights, optimizer, schedule and RNG restored)."""
         self.state = TrainingState()
         if self.resume_from is not None:
-            self.state = checkpoint.load(self.resume_from, self.engine, self.scheduler)
+            self.state = checkpoint.load(self.resume_from, self.engine, self.scheduler, self.precision)
             say(f"[parallel_train] resumed from {self.resume_from} at step {self.state.step}")
             if any(key in SCHEDULE for key in self.changes):
                 apply_schedule(self.scheduler, self.cfg.train.learning_rate)
@@ -149,7 +168,8 @@ class Trainer:
         self.state.world_size, self.state.global_batch = self.accelerator.num_processes, self.global_batch
         # guards.py: stop signals, non-finite loss/gradients, the stop step all ranks agree on
         self.guard = RunGuard(self.accelerator, self.cfg.train.max_skipped_steps, self.cfg.parallel.timeout_s, self.state.skipped_steps)
-        self.engine.update_allowed = self.guard.update_allowed
+        self.stepper = Stepper(self.engine, self.precision, self.cfg.train, self.data.all_targets_count, self.guard.update_allowed)
+        self.stepper.skipped_by_scaler = self.state.scaler_skipped_steps
         faults.install(self.engine.model, lambda: self.guard.step)  # test-only; nothing unless PARALLEL_TRAIN_FAULT is set
 
     def _open_outputs(self) -> None:
@@ -178,7 +198,7 @@ class Trainer:
         )
         self.batches = TimedIterator(iter(self.loader))
         self.flops_per_token = self.engine.flops_per_token()
-        self.peak = peak_flops(self.device, accelerator.mixed_precision, cfg.train)
+        self.peak = peak_flops(self.device, self.precision.name, cfg.train)
         self.speed = Throughput()
         self.first_step_s: float | None = None
         c = cfg.checkpoint  # every rank writes its own part; with checkpoint.async in the background (checkpoint.py)
@@ -210,11 +230,11 @@ class Trainer:
         cfg = self.cfg
         for _ in range(self.start_step, cfg.train.max_steps):
             lr = self.optimizer.param_groups[0]["lr"]
-            loss, done = self.train_step()
+            result, done = self.train_step()
             # All ranks agree on "stop signal?" and "non-finite?" (raises naming the step) before anything is logged or saved.
-            stop = self.guard.end_step(done, loss, force=self.due(cfg.train.log_interval) or self.due(cfg.checkpoint.interval))
+            stop = self.guard.end_step(done, result.loss_sum, force=self.due(cfg.train.log_interval) or self.due(cfg.checkpoint.interval))
             if self.due(cfg.train.log_interval):
-                self.log(loss, lr)
+                self.log(result, lr)
             t_pause = time.perf_counter()
             if self.due(cfg.eval.interval):
                 self.evaluate()
@@ -229,27 +249,28 @@ class Trainer:
                 return False
         return True
 
-    def train_step(self) -> tuple[torch.Tensor, int]:
-        """One optimizer step (the engine runs the micro-batches). Returns the loss as a device tensor and the step."""
+    def train_step(self) -> tuple[StepResult, int]:
+        """One optimizer step (step.py; the engine runs the micro-batches). Returns its losses (device tensors) and the step."""
         self.guard.begin_step(self.state.step + 1)
-        loss, tokens = self.engine.train_step(self.batches)
+        result = self.stepper.step(self.batches)
         self.scheduler.step()
         self.state.step += 1
         faults.after_step(self.state.step)
-        self.speed.add(tokens * self.engine.dp_size)
+        self.speed.add(result.tokens * self.engine.dp_size)
         self.pbar.update(1)
         if self.first_step_s is None:  # from the process's start: imports and set-up count
             self.first_step_s = process_age_s() or time.perf_counter() - self.t_start
-        return loss, self.state.step
+            self.first_step_memory = peak_memory_mb(self.device)  # the start's peak: model built, cut, filled, one step
+        return result, self.state.step
 
     def due(self, interval: int) -> bool:
         """Whether the step just done is a log/eval/checkpoint step for this interval (the last step always is)."""
         step = self.state.step
         return step == self.cfg.train.max_steps or (interval > 0 and step % interval == 0)
 
-    def log(self, loss: torch.Tensor, lr: float) -> None:
+    def log(self, result: StepResult, lr: float) -> None:
         """The train record of this interval. The only host-device sync of the step, and only on log steps."""
-        train_loss = self.engine.mean_loss(loss).item()  # mean over ranks and micro-batches: a collective
+        train_loss = self.stepper.mean_loss(result).item()  # per token, over ranks and micro-batches: a collective
         self.state.final_train_loss = train_loss
         done, interval = self.state.step, self.cfg.train.log_interval
         tok_s, elapsed = self.speed.interval(warm=done > self.start_step + interval)  # the first interval holds warm-up
@@ -263,6 +284,8 @@ class Trainer:
             "data_time_frac": min(1.0, self.batches.seconds / elapsed),
             "mfu": mfu(self.flops_per_token, tok_s, self.peak, self.accelerator.num_processes),
         }
+        if self.precision.scaler is not None:  # fp16: updates the loss scaler skipped on an overflow, so far
+            record["skipped_by_scaler"] = self.stepper.skipped_by_scaler
         self.batches.seconds = 0.0
         self.metrics.log(record)
         self.pbar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{tok_s:,.0f}")
@@ -270,7 +293,7 @@ class Trainer:
 
     def evaluate(self) -> None:
         """Every validation metric over the fixed eval set (a collective); logged, and kept in the state."""
-        val = self.engine.evaluate()  # {"loss": ..., and every other metric of eval_metrics.py}
+        val = evaluate(self.engine, self.val_batches)  # {"loss": ..., and every other metric of eval_metrics.py}
         state, done = self.state, self.state.step
         state.final_val_loss, state.final_val_step = val["loss"], done
         state.final_val_metrics = {f"val_{name}": value for name, value in val.items()}
@@ -282,10 +305,10 @@ class Trainer:
 
     def save(self) -> None:
         """A checkpoint of this step (a collective): weights, optimizer, schedule, every rank's RNG, the state."""
-        self.state.skipped_steps = self.guard.skipped
+        self.state.skipped_steps, self.state.scaler_skipped_steps = self.guard.skipped, self.stepper.skipped_by_scaler
         # A collective; None unless the data is a stream (one position per data-parallel rank).
         self.state.data_position = gather_positions(self.loader, self.engine.dp_size, self.engine.dp_rank)
-        self.saver.save(self.engine, self.state, self.scheduler, self.config_yaml, self.tokenizer_files)
+        self.saver.save(self.engine, self.state, self.scheduler, self.precision, self.config_yaml, self.tokenizer_files)
 
     # ---------------------------------------------------------------- the end
 
@@ -328,7 +351,8 @@ class Trainer:
             "final_val_metrics": state.final_val_metrics,
             "world_size": accelerator.num_processes,
             "distributed_type": accelerator.distributed_type.value,
-            "mixed_precision": accelerator.mixed_precision,
+            "mixed_precision": self.precision.name,
+            "skipped_by_scaler_steps": self.stepper.skipped_by_scaler,
             "tokens_per_sec": tok_s,
             "mfu": mfu(self.flops_per_token, tok_s, self.peak, accelerator.num_processes) if tok_s else None,
             "wall_time_s": time.perf_counter() - self.t_start,
@@ -337,6 +361,7 @@ class Trainer:
             "checkpoint_blocking_s": self.saver.blocking_s,  # the loop's time in checkpoint saves (checkpoint.async: the copy)
             "checkpoint_drain_s": self.saver.drain_s,  # the wait for the last background write, after the loop
             **peak_memory_mb(self.device),
+            **{f"{k}_at_first_step": v for k, v in getattr(self, "first_step_memory", {}).items()},
         }
 
     def close(self, finished_cleanly: bool) -> None:

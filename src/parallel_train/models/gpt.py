@@ -53,7 +53,7 @@ class CausalSelfAttention(nn.Module):
         self.head_dim = cfg.n_embd // cfg.n_head
         self.dropout = cfg.dropout
         # Separate projections (not one fused qkv): a column cut for tensor parallelism then gives each rank
-        # whole heads of q, k and v. GPT._init_weights draws them as one block, the numbers of a fused layer.
+        # whole heads of q, k and v.
         self.q = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.k = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.v = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
@@ -114,31 +114,27 @@ class GPT(nn.Module):
         # Not tied to tok_emb: tying would couple the first and last pipeline stages.
         self.head = nn.Linear(cfg.n_embd, vocab_size, bias=False)
 
-        # GPT-2 initialisation; residual projections scaled down by depth.
-        self._init_weights()
-        for name, p in self.named_parameters():
-            if name.endswith("proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        self.n_layer = cfg.n_layer
+        # Every module initialised by init_weights, drawing from torch's generator: built whole (tests, scripts),
+        # this is the model's start; the trainer builds it on the meta device instead and model_init.py calls
+        # init_weights one module at a time, under a seed keyed by the module's name.
+        for name, module in self.named_modules():
+            self.init_weights(name, module)
         # Old checkpoints (fused qkv) load too. Registered without a reference to this module: the public
         # register_load_state_dict_pre_hook keeps a weak one, which dies with the whole model when only pipeline
         # stage views (shallow copies sharing the hook) survive.
         self._register_load_state_dict_pre_hook(_upgrade_on_load)
 
-    def _init_weights(self) -> None:
-        """Normal(0, 0.02) weights, zero biases. Parents come before children (modules()), and q, k, v are drawn
-        as one (3C, C) block: the same random numbers, in the same order, as the former fused qkv layer."""
-        drawn = set()
-        for module in self.modules():
-            if isinstance(module, CausalSelfAttention):
-                fused = torch.empty(3 * module.q.out_features, module.q.in_features).normal_(mean=0.0, std=0.02)
-                with torch.no_grad():
-                    for proj, rows in zip((module.q, module.k, module.v), fused.chunk(3), strict=True):
-                        proj.weight.copy_(rows)
-                drawn.update((module.q, module.k, module.v))
-            if isinstance(module, (nn.Linear, nn.Embedding)) and module not in drawn:
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    def init_weights(self, name: str, module: nn.Module) -> None:
+        """GPT-2's initialisation of one module's own parameters: normal(0, 0.02) for Linear and Embedding weights,
+        residual projections (`attn.proj`, `mlp.proj`) scaled down by depth, zero biases, LayerNorms at 1 and 0."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            std = 0.02 / math.sqrt(2 * self.n_layer) if name.endswith("proj") else 0.02
+            nn.init.normal_(module.weight, mean=0.0, std=std)
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
 
     @staticmethod
     def upgrade_state_dict(state: dict) -> dict:

@@ -79,8 +79,11 @@ class HFCausalLM(nn.Module):
         config = hf_loading.load_config(cfg.hf_path)
         hf_loading.check_causal_lm(config, cfg.hf_path)
         hf_loading.check_sizes(config, cfg.hf_path, vocab_size, cfg.block_size)
-        hf = hf_loading.load_causal_lm(config, cfg.hf_path, cfg.hf_pretrained, cfg.dtype, cfg.attn_implementation)
+        hf = hf_loading.build_causal_lm(config, cfg.hf_path, cfg.dtype, cfg.attn_implementation)
+        # Weights whose first values are another's in the files (an untied lm_head starts as the embedding).
+        self.__dict__["weight_aliases"] = {}
         if cfg.untie_embeddings and tied_aliases(hf):
+            self.weight_aliases.update(tied_aliases(hf))
             hf.lm_head.weight = nn.Parameter(hf.lm_head.weight.detach().clone())
             hf.config.get_text_config().tie_word_embeddings = False
         if cfg.activation_checkpointing:
@@ -90,7 +93,7 @@ class HFCausalLM(nn.Module):
         self.__dict__["hf"] = hf
         for name, child in hf.named_children():
             self.add_module(name, child)
-        self.hf_path = cfg.hf_path
+        self.hf_path, self.pretrained = cfg.hf_path, cfg.hf_pretrained
         self.block_size = cfg.block_size
         self.layout = hf_layouts.layout_for(hf)
         self.pipeline_groups = self.layout.groups if self.layout else ()
@@ -99,7 +102,33 @@ class HFCausalLM(nn.Module):
         self.tied = tied_aliases(hf)
         self._register_state_dict_hook(_drop_aliases)
         self.register_load_state_dict_post_hook(_aliases_not_missing)
-        self.train()  # from_pretrained returns the model in eval mode: no dropout, no activation checkpointing
+        self.train()
+        if self.pretrained and not next(self.parameters()).is_meta:  # built whole (tests, scripts): load its weights now
+            self._load_pretrained()
+
+    def pretrained_files(self) -> list[Path] | None:
+        """The safetensors files the first weights come from (model_init.py reads each rank's slices), or None for
+        random weights (hf_pretrained=false)."""
+        return hf_loading.weight_files(self.hf_path) if self.pretrained else None
+
+    def init_weights(self, name: str, module: nn.Module) -> None:
+        """transformers' own initialisation of one module (its `_init_weights`), for random weights and for what the
+        weight files lack (rotary tables and other non-persistent buffers)."""
+        self.hf._init_weights(module)
+
+    def _load_pretrained(self) -> None:
+        from safetensors.torch import load_file
+
+        state = {}
+        for f in self.pretrained_files():
+            state.update(load_file(str(f)))
+        state.update({alias: state[name] for alias, name in self.weight_aliases.items() if name in state and alias not in state})
+        missing = [n for n in self.state_dict() if n not in state]
+        if missing:
+            raise UserError(
+                f"model.hf_path {self.hf_path!r}: its weights lack {missing[0]!r} ({len(missing)} tensors); was it saved by save_pretrained?"
+            )
+        self.load_state_dict(state, strict=False)
 
     @property
     def config(self) -> Any:

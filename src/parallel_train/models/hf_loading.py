@@ -129,20 +129,36 @@ def check_sizes(config: Any, hf_path: str, vocab_size: int, block_size: int) -> 
         raise UserError(f"model.block_size={block_size} exceeds the {positions} positions of model.hf_path {hf_path!r}; lower it")
 
 
-def load_causal_lm(config: Any, hf_path: str, pretrained: bool, dtype: str, attn_implementation: str) -> torch.nn.Module:
-    """`AutoModelForCausalLM.from_pretrained` (weights) or `from_config` (random weights, seeded by the caller)."""
+def build_causal_lm(config: Any, hf_path: str, dtype: str, attn_implementation: str) -> torch.nn.Module:
+    """`AutoModelForCausalLM.from_config`: the architecture, with random weights (seeded by the caller) or, built
+    under model_init.parameters_on_meta, none at all; pretrained weights come from `weight_files`."""
     transformers = import_transformers()
-    kwargs = {"dtype": DTYPES[dtype], "attn_implementation": attn_implementation}
     try:
-        if not pretrained:
-            return transformers.AutoModelForCausalLM.from_config(config, **kwargs)
-        check_weights(hf_path)
-        return transformers.AutoModelForCausalLM.from_pretrained(
-            str(Path(hf_path).expanduser()) if Path(hf_path).expanduser().exists() else hf_path,
-            config=config,
-            use_safetensors=True,
-            trust_remote_code=False,
-            **kwargs,
-        )
-    except (OSError, ValueError, ImportError) as e:  # no weights on the Hub, an attention kernel not installed
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], attn_implementation=attn_implementation)
+    except (OSError, ValueError, ImportError) as e:  # an attention kernel not installed
         raise UserError(f"model.hf_path {hf_path!r}: {_first_line(e)}") from None
+
+
+def weight_files(hf_path: str) -> list[Path]:
+    """The model's safetensors files: in its local folder (model.safetensors, or the shards its index lists), or
+    fetched from the Hub into the Hugging Face cache (safetensors and JSON only: never a pickle, never code)."""
+    check_weights(hf_path)
+    path = Path(hf_path).expanduser()
+    if not path.is_dir():
+        from huggingface_hub import snapshot_download
+
+        try:
+            path = Path(snapshot_download(hf_path, allow_patterns=["*.safetensors", "*.json"]))
+        except Exception as e:  # offline and not cached, no such repository, ...
+            raise UserError(
+                f"model.hf_path {hf_path!r}: its weights are neither cached nor reachable on the Hub ({_first_line(e)})"
+            ) from None
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        import json
+
+        return sorted({path / name for name in json.loads(index.read_text())["weight_map"].values()})
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"model.hf_path {hf_path!r} holds no weights (model.safetensors); set model.hf_pretrained=false")
+    return files

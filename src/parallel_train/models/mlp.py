@@ -21,6 +21,7 @@ class MLPConfig(ModelConfig):
     in_features: int = opt(10, "input width", min=1)
     hidden: int = opt(50, "hidden width", min=1)
     out_features: int = opt(10, "number of classes", min=1)
+    inputs = "feature vectors"  # float rows of in_features values, not token ids
 
 
 class SeedMLP(nn.Module):
@@ -31,6 +32,11 @@ class SeedMLP(nn.Module):
         self.fc1 = nn.Linear(cfg.in_features, cfg.hidden)
         self.act = nn.ReLU()
         self.fc2 = nn.Linear(cfg.hidden, cfg.out_features)
+
+    def init_weights(self, name: str, module: nn.Module) -> None:
+        """torch's own initialisation of one layer (model_init.py calls it under a seed keyed by the layer's name)."""
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for part in (self.fc1, self.act, self.fc2):

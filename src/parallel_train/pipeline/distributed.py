@@ -8,14 +8,15 @@ schedules; V-shaped for zbv and dualpipev). With parallel.tp or parallel.dp_shar
 a whole model in the mesh engine (sharding.py: the model's tensor-parallel plan, fully_shard per block):
 pipelines compose with FSDP2, HSDP and tensor parallelism.
 
-Gradient scaling, stated: our loss is a mean per micro-batch. The schedules' own scaling
-(scale_grads=True) divides ALL gradients by M at the end of every `step`, which would also shrink the
-gradients accumulated by earlier accumulation micro-steps. So we pass scale_grads=False and scale the
-loss instead: each micro-batch's loss is multiplied by 1/(M*A) (A = gradient_accumulation_steps), so the
-gradients add up to those of the mean loss over the whole optimizer step, exactly as in the unsplit model.
-Data parallelism then averages the gradients over the data-parallel ranks (FSDP2 does it when the stages are
-sharded, else a manual all-reduce once per optimizer step), and clipping uses the global norm: squared
-norms summed over the stages.
+Gradient scaling, stated: each micro-batch's loss is its summed token loss times step.py's scale (data-parallel
+ranks / the step's valid tokens), so the gradients add up to those of the per-token mean of the whole
+optimizer step, exactly as in the unsplit model; the schedules' own scaling (scale_grads=True, a division by
+the number of micro-batches) is therefore off. Gradient accumulation is more micro-batches in the same
+schedule step (A x parallel.microbatches, as Megatron-LM counts them): one flush, and one gradient
+reduction per optimizer step. Data parallelism over the replicas goes through FSDP2 on the data-parallel axes
+(sharded stages, or plain replicas that FSDP2 keeps whole and all-reduces like DDP), which the schedule drives
+itself (it reduces after the last micro-batch's backward); clipping uses the global norm: squared norms summed
+over the stages.
 
 The zero-bubble schedules (interleavedzb, zbv, dualpipev) split each backward into the input's gradient (B),
 which the previous stage waits for, and the weights' gradient (W), which fills what would be bubble.
@@ -23,7 +24,6 @@ which the previous stage waits for, and the weights' gradient (W), which fills w
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -33,16 +33,17 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel_train.config import Config
-from parallel_train.engine import RankState, allow_every_update
+from parallel_train.ddp_engine import OptimizerFactory
+from parallel_train.engine import RankState
 from parallel_train.errors import UserError
-from parallel_train.eval_metrics import add_stats, add_totals, metric_stats, metric_values
-from parallel_train.losses import loss_fn
+from parallel_train.losses import loss_sum
 from parallel_train.mesh import MeshLayout, build_device_mesh, mesh_summary, share_line
 from parallel_train.pipeline.cost import measure_units
 from parallel_train.pipeline.placement import V_SHAPED, forward_through, rank_of_stage, stages_of_rank, stages_per_rank
 from parallel_train.pipeline.split import describe_stages, plan_stages, stage_module
 from parallel_train.pipeline.timeline import Recorder, write_report
-from parallel_train.sharding import clip_grad_norm, local_numel, parallelize, retarget_optimizer
+from parallel_train.precision import Precision
+from parallel_train.sharding import clip_grad_norm, local_numel, parallelize
 
 SCHEDULES = {
     "gpipe": "ScheduleGPipe",
@@ -54,7 +55,7 @@ SCHEDULES = {
 }
 
 
-def check_layout(cfg: Config, world: int, precision: str) -> tuple[int, int]:
+def check_layout(cfg: Config, world: int) -> tuple[int, int]:
     """(stages per rank V, data-parallel replicas D), or a one-line error."""
     p = cfg.parallel
     S, M = p.pipeline_stages, p.microbatches
@@ -85,8 +86,6 @@ def check_layout(cfg: Config, world: int, precision: str) -> tuple[int, int]:
         raise UserError(
             f"parallel.microbatches={M}: {p.schedule} needs a multiple of parallel.pipeline_stages={S} (or fewer micro-batches than stages)"
         )
-    if precision == "fp16":
-        raise UserError("mixed precision fp16 is not supported by the multi-process pipeline (no loss scaling there); use bf16")
     return V, world // (S * p.tp)
 
 
@@ -99,28 +98,35 @@ def _contiguous_input_grads(module, args):
 
 
 class MultiProcessPipelineEngine:
-    """Executor 2: the same methods as DataParallelEngine; collectives run on every rank."""
+    """Executor 2: the Engine protocol (engine.py); collectives run on every rank."""
 
     def __init__(
-        self, cfg: Config, accelerator, model: nn.Module, optimizer: torch.optim.Optimizer, val_loader, layout: MeshLayout | None = None
+        self,
+        cfg: Config,
+        accelerator,
+        model: nn.Module,
+        init,
+        make_optimizer: OptimizerFactory,
+        precision: Precision,
+        probe,
+        layout: MeshLayout | None = None,
     ):
         p = cfg.parallel
-        self.cfg, self.accelerator, self.optimizer, self.val_loader = cfg, accelerator, optimizer, val_loader
+        self.cfg, self.accelerator, self.precision = cfg, accelerator, precision
         self.device = accelerator.device
         world, rank = accelerator.num_processes, accelerator.process_index
         S, M, A = p.pipeline_stages, p.microbatches, cfg.train.gradient_accumulation_steps
-        V, _ = check_layout(cfg, world, accelerator.mixed_precision)
+        V, _ = check_layout(cfg, world)
         self.layout = layout = layout or MeshLayout(dp_replicate=world // S, pp=S)
         where = layout.coordinate(rank)
-        self.S, self.M, self.V, self.world, self.rank = S, M, V, world, rank
+        # M: micro-batches per schedule step, every accumulation micro-step's (see the module docstring)
+        self.S, self.M, self.V, self.world, self.rank = S, M * A, V, world, rank
         self.dp_size, self.dp_rank, self.pp_rank, self.tp_rank = layout.dp, layout.dp_rank(rank), where["pp"], where["tp"]
         self.leader = self.dp_rank == 0 and self.tp_rank == 0  # reports this stage's timeline
 
-        if cfg.train.compile:
-            accelerator.print("notice: train.compile is not applied to pipeline stages; training uncompiled")
         self._flops = model.flops_per_token() if hasattr(model, "flops_per_token") else None
-        total, names = sum(q.numel() for q in model.parameters()), {id(q): n for n, q in model.named_parameters()}
-        measure = measure_units(model, val_loader, self.device)
+        total = sum(q.numel() for q in model.parameters())
+        measure = measure_units(model, probe, self.device, init)
         plan = plan_stages(model, S * V, p.split, measure)
         self.stage_ids = stages_of_rank(self.pp_rank, S, V, p.schedule)  # the placement the schedule expects
         self.where = rank_of_stage(S, V, p.schedule)
@@ -129,32 +135,33 @@ class MultiProcessPipelineEngine:
         self.stage_mods = [stage_module(model, plan[i]) for i in self.stage_ids]
         for mod in self.stage_mods:
             mod.register_forward_pre_hook(_contiguous_input_grads)
-        mine = {id(q) for q in self.local.parameters()}
-        for group in optimizer.param_groups:  # in place: the LR scheduler holds this optimizer
-            group["params"] = [q for q in group["params"] if id(q) in mine]
 
         mesh = build_device_mesh(layout, self.device.type)
-        self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp_replicate")
-        if layout.sharded:  # each stage cut like a whole model: TP plan, then fully_shard (FSDP2 averages over dp)
-            for mod in self.stage_mods:
-                parallelize(mod, mesh, layout)
-        self.local.to(self.device)
-        retarget_optimizer(optimizer, names, self.local)
-        self.params = [q for group in optimizer.param_groups for q in group["params"]]
+        self.pp_group = mesh.get_group("pp")
+        # Each stage cut like a whole model: TP plan, compile per block, FSDP2 over the data-parallel replicas.
+        policy = precision.fsdp_policy()
+        for mod in self.stage_mods:
+            self.compiled = parallelize(mod, mesh, layout, mp_policy=policy, compile=cfg.train.compile, shard_data_parallel=layout.dp > 1)
+        self.autocast = not (layout.dp > 1 and policy is not None)  # FSDP2's policy already computes in bf16/fp16
+        init.fill(self.local, self.device)  # model_init.py: only this rank's stages (its slices of them) get memory
+        self.optimizer = make_optimizer(self.local)
+        self.params = [q for group in self.optimizer.param_groups for q in group["params"]]
         self.local_numel = local_numel(self.local)
-        self.update_allowed = allow_every_update  # the trainer installs its guard here
         self.model = None  # forward runs through the stage views of self.local (no one module to hook)
         self.recorder = Recorder()
         self.profile_every = 10 if self.device.type == "cuda" else 1
         self._steps, self.profiling = 0, False
         self.is_first, self.is_last = 0 in self.stage_ids, (S * V - 1) in self.stage_ids
-        self.loss_scale = 1.0 / (M * A)
-        self.schedule = self._make_schedule(M, p.schedule, timed=True)
+        self.loss_owner = self.is_last and self.tp_rank == 0
+        self._scale, self._sums = torch.ones((), device=self.device), []  # this step's loss scale; its summed losses
+        self.schedule = self._make_schedule(self.M, p.schedule, timed=True)
 
         self.name = (
             f"multi-process pipeline (executor 2, torch.distributed.pipelining): {S} stage ranks"
             + (f" x {V} {'V-shaped' if p.schedule in V_SHAPED else 'interleaved'} stages each" if V > 1 else "")
-            + f", schedule {p.schedule}, {M} micro-batches, {layout.dp} data-parallel replica{'s' if layout.dp > 1 else ''}; "
+            + f", schedule {p.schedule}, {M} micro-batches"
+            + (f" x {A} accumulation = {M * A} per step" if A > 1 else "")
+            + f", {layout.dp} data-parallel replica{'s' if layout.dp > 1 else ''}; "
             + share_line(layout, self.local_numel, total)
         )
         places = [f"rank {self.where[i]}" for i in range(S * V)]
@@ -173,8 +180,13 @@ class MultiProcessPipelineEngine:
             stage.backward_one_chunk = self._timed(stage.backward_one_chunk, "B", stage.stage_index)
             stage.backward_weight_one_chunk = self._timed(stage.backward_weight_one_chunk, "W", stage.stage_index)
         schedule_cls = getattr(schedules, SCHEDULES[name])
-        scaled_loss = lambda out, y: loss_fn(out, y) * self.loss_scale  # noqa: E731 (see the module docstring)
-        return schedule_cls(stages if self.V > 1 else stages[0], n_microbatches=n_microbatches, loss_fn=scaled_loss, scale_grads=False)
+        return schedule_cls(stages if self.V > 1 else stages[0], n_microbatches=n_microbatches, loss_fn=self._loss, scale_grads=False)
+
+    def _loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's loss on the last stage, as backward sees it (see the module docstring)."""
+        s = loss_sum(out, y)
+        self._sums.append(s.detach())
+        return self.precision.scale(s * self._scale)
 
     # ---- timing
     def _timed(self, fn, kind: str, stage_index: int):
@@ -190,80 +202,40 @@ class MultiProcessPipelineEngine:
 
         return wrapper
 
-    def _run(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
-        """One training pass of all micro-batches through the pipeline. Returns the scaled micro-batch losses (last stage)."""
-        losses: list[torch.Tensor] = []
+    def forward_backward(self, micro, scale: torch.Tensor, precision: Precision) -> torch.Tensor:
+        """All micro-steps in one schedule step (A x M micro-batches): one flush, one gradient reduction."""
+        x, y = torch.cat([b[0] for b in micro]), torch.cat([b[1] for b in micro])
+        self._scale, self._sums = scale.to(self.device), []
+        self.profiling = self._steps % self.profile_every == 0
+        if self.profiling:
+            self.recorder.start_flush()
         args = (x.to(self.device),) if self.is_first else ()
-        kwargs = {"target": y.to(self.device), "losses": losses} if self.is_last else {}
-        with self.accelerator.autocast():
+        kwargs = {"target": y.to(self.device), "losses": []} if self.is_last else {}
+        with precision.autocast(self.autocast):
             self.schedule.step(*args, **kwargs, return_outputs=False)  # the losses are all it needs
-        return losses
-
-    def train_step(self, batches) -> tuple[torch.Tensor, int]:
-        A = self.cfg.train.gradient_accumulation_steps
-        self.loss_scale = 1.0 / (self.M * A)
-        loss = torch.zeros((), device=self.device)
-        tokens = 0
-        for _ in range(A):
-            x, y = next(batches)
-            self.profiling = self._steps % self.profile_every == 0
-            if self.profiling:
-                self.recorder.start_flush()
-            for micro_loss in self._run(x, y):
-                loss += micro_loss.detach()  # scaled by 1/(M*A): the sum is the step's mean loss
-            self.recorder.end_flush()
-            self.profiling = False
-            tokens += y.numel()
+        self.recorder.end_flush()
+        self.profiling = False
         self._steps += 1
-        if self.dp_size > 1 and not self.layout.sharded:  # plain replicas: average their gradients (FSDP2 does it itself)
-            grads = [q.grad for q in self.params if q.grad is not None]
-            flat = torch._utils._flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=self.dp_group)
-            flat.div_(self.dp_size)
-            for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
-                g.copy_(reduced)
-        grad_norm = None
-        if self.cfg.train.grad_clip > 0 or self.cfg.train.max_skipped_steps:
-            grad_norm = clip_grad_norm(self.params, self.cfg.train.grad_clip or float("inf"), self.pp_group)
-        # The guard (guards.py) sees the global norm, the same on every rank: all skip a non-finite step together.
-        if self.update_allowed(loss, grad_norm):
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss, tokens
+        # The last M x A calls are the micro-batches: the schedule's first step also calls the loss once on an
+        # uninitialised output, to infer the shapes of the gradients it will send.
+        sums = self._sums[-self.M :]
+        return torch.stack(sums).sum() if sums else torch.zeros((), device=self.device)
 
-    def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """Mean over data-parallel ranks of the last stage's loss (other stages add zero; the tensor-parallel
-        ranks of a stage hold the same loss). A collective."""
-        total = loss.detach().clone() if self.is_last else torch.zeros((), device=self.device)
-        dist.all_reduce(total)
-        return total / (self.dp_size * self.layout.tp)
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The global norm: squared norms of every stage's gradients summed over the pipeline ranks."""
+        return clip_grad_norm(self.params, max_norm, self.pp_group)
 
-    @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """The validation metrics (eval_metrics.py) over the fixed eval batches, which the data-parallel ranks take
-        in turn, forward only through the stages (placement.forward_through). With sharded stages every forward
-        is a collective, so every rank runs as many: past the end it repeats batch 0 and counts nothing."""
-        for mod in self.stage_mods:
-            mod.eval()
-        batches = list(self.val_loader)
+    def eval_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Forward only through the stages (placement.forward_through); the last stage's tensor-parallel rank 0
+        reports the logits."""
         stages = dict(zip(self.stage_ids, self.stage_mods, strict=True))
-        totals = None
-        for k in range(math.ceil(len(batches) / self.dp_size)):
-            i = k * self.dp_size + self.dp_rank
-            x, y = batches[i] if i < len(batches) else batches[0]
-            with self.accelerator.autocast():
-                logits = forward_through(stages, self.where, self.pp_rank, x, self.pp_group, self.device)
-            if logits is not None and i < len(batches) and self.tp_rank == 0:
-                totals = add_stats(totals, metric_stats(logits, y))
+        with self.precision.autocast(self.autocast):
+            logits = forward_through(stages, self.where, self.pp_rank, x, self.pp_group, self.device)
+        return logits if logits is not None and self.tp_rank == 0 else None
+
+    def set_training(self, on: bool) -> None:
         for mod in self.stage_mods:
-            mod.train()
-        # The sums live on the last stage of each replica: every rank gathers them (a few numbers per metric).
-        parts: list[dict | None] = [None] * self.world
-        dist.all_gather_object(parts, {k: v.cpu() for k, v in totals.items()} if totals is not None else None)
-        summed = None
-        for part in filter(None, parts):
-            summed = add_totals(summed, part)
-        return metric_values(summed)
+            mod.train(on)
 
     # ---- state: this rank's stages under canonical names (its shards of sharded stages); replicas hold the same,
     # which checkpoints write once

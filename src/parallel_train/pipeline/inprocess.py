@@ -22,14 +22,14 @@ import torch
 from torch import nn
 
 from parallel_train.config import Config
-from parallel_train.data_parallel import DataParallelEngine
-from parallel_train.engine import allow_every_update
+from parallel_train.ddp_engine import DataParallelEngine, OptimizerFactory
 from parallel_train.errors import UserError
-from parallel_train.losses import loss_fn
-from parallel_train.mesh import MeshLayout, mesh_summary
+from parallel_train.mesh import mesh_summary
+from parallel_train.model_init import Whole
 from parallel_train.pipeline.cost import measure_units
 from parallel_train.pipeline.split import describe_stages, model_units, plan_stages
 from parallel_train.pipeline.timeline import Recorder, write_report
+from parallel_train.precision import Precision
 
 
 def resolve_devices(names: list[str], local_rank: int) -> list[torch.device]:
@@ -193,9 +193,9 @@ class PipelineModule(nn.Module):
 
 
 class InProcessPipelineEngine(DataParallelEngine):
-    """Executor 1. Same interface as the data-parallel engine; the model is a PipelineModule."""
+    """Executor 1: the data-parallel engine over a PipelineModule (device placement off: the stages stay put)."""
 
-    def __init__(self, cfg: Config, accelerator, model: nn.Module, optimizer: torch.optim.Optimizer, val_loader):
+    def __init__(self, cfg: Config, accelerator, model: nn.Module, init, make_optimizer: OptimizerFactory, precision: Precision, probe):
         p = cfg.parallel
         if p.schedule != "gpipe":
             raise UserError(
@@ -208,13 +208,10 @@ class InProcessPipelineEngine(DataParallelEngine):
                 "use at most one micro-batch per sample"
             )
         devices = resolve_devices(p.stage_devices, accelerator.local_process_index)
-        measure = measure_units(model, val_loader, devices[0])
+        init.fill(model, torch.device("cpu"))  # one process holds every stage: the whole model, then each stage moves
+        measure = measure_units(model, probe, devices[0], Whole())
         stages = plan_stages(model, len(devices), p.split, measure)
-        self.cfg, self.accelerator, self.base, self.stages = cfg, accelerator, model, stages
-        self.loss_fn = loss_fn  # what DataParallelEngine.__init__ would set (train_step is inherited)
-        self.update_allowed = allow_every_update  # the trainer installs its guard here
-        if cfg.train.compile:
-            accelerator.print("notice: train.compile is not applied to a pipeline-split model; training uncompiled")
+        self.base, self.stages, self.devices = model, stages, devices
         self.recorder = Recorder()
         # On GPUs the host would wait for each timed flush; time one flush in ten there.
         self.pipe = PipelineModule(
@@ -224,14 +221,15 @@ class InProcessPipelineEngine(DataParallelEngine):
             # Accelerate refuses (or pins DDP to one GPU for) a model spread over devices unless told to
             # let it be; DDP then syncs the gradients of the multi-device module (device_ids=None).
             os.environ["ACCELERATE_BYPASS_DEVICE_MAP"] = "true"
-        self.model = accelerator.prepare_model(self.pipe, device_placement=False)
-        self.optimizer = accelerator.prepare_optimizer(optimizer, device_placement=False)
-        self.val_loader = accelerator.prepare_data_loader(val_loader, device_placement=False)
+        # Not the pipe as a whole: its hooks move activations between devices and time the stages.
+        super().__init__(cfg, accelerator, self.pipe, lambda _: make_optimizer(model), precision, device_placement=False, compile=False)
+        if cfg.train.compile:
+            for names in stages:  # each stage's units compiled on their own, on the stage's device
+                for name in names:
+                    model_units(model)[name].compile()
+            self.compiled = f"each unit of the {len(stages)} stages on its own (torch.compile)"
         self.device = devices[-1]  # targets meet the logits on the last stage
-        self.dp_size, self.dp_rank = accelerator.num_processes, accelerator.process_index
-        self.devices = devices
         # The mesh counts processes: each holds every stage (on its own devices), one data-parallel replica.
-        self.layout, self.local_numel = MeshLayout(dp_replicate=accelerator.num_processes), sum(q.numel() for q in model.parameters())
         self.name = (
             f"pipeline in one process (executor 1): {len(devices)} stages on {', '.join(map(str, devices))}, "
             f"GPipe fill-drain over {p.microbatches} micro-batches"

@@ -54,7 +54,7 @@ def n_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def _bundles(model: nn.Module, units: dict[str, nn.Module]) -> list[list[str]]:
+def bundles(model: nn.Module, units: dict[str, nn.Module]) -> list[list[str]]:
     """Units in forward order, bundled: a declared group, and a parameter-less unit with the unit before it."""
     declared = {name: gi for gi, group in enumerate(getattr(model, "pipeline_groups", ())) for name in group}
     bundles: list[list[str]] = []
@@ -182,22 +182,22 @@ def plan_stages(
     """The unit names of each stage: from an explicit spec, balanced by parameter count (`auto`), or balanced by
     measured time (`time`: `unit_times(names)` gives each unit's seconds, see cost.py)."""
     units = model_units(model)
-    bundles = _bundles(model, units)
+    bundled = bundles(model, units)
     if spec.strip() in ("", "auto", "time"):
-        if n_stages > len(bundles):
+        if n_stages > len(bundled):
             raise UserError(
-                f"parallel.pipeline_stages={n_stages}: this model has only {len(bundles)} parts to split "
-                f"({' | '.join(_short_list(b) for b in bundles)}); use at most {len(bundles)} stages or a deeper model"
+                f"parallel.pipeline_stages={n_stages}: this model has only {len(bundled)} parts to split "
+                f"({' | '.join(_short_list(b) for b in bundled)}); use at most {len(bundled)} stages or a deeper model"
             )
         if spec.strip() == "time":
             assert unit_times is not None, "split=time needs the measured unit times"
             seconds = dict(zip(units, unit_times(list(units)), strict=True))
-            weights = [sum(seconds[n] for n in b) for b in bundles]
+            weights = [sum(seconds[n] for n in b) for b in bundled]
         else:
-            weights = [sum(n_params(units[n]) for n in b) for b in bundles]
+            weights = [sum(n_params(units[n]) for n in b) for b in bundled]
         cuts = balance(weights, n_stages)
-        bounds = [0, *cuts, len(bundles)]
-        return [[n for b in bundles[bounds[s] : bounds[s + 1]] for n in b] for s in range(n_stages)]
+        bounds = [0, *cuts, len(bundled)]
+        return [[n for b in bundled[bounds[s] : bounds[s + 1]] for n in b] for s in range(n_stages)]
     stages = parse_spec(spec, units)
     if len(stages) != n_stages:
         raise UserError(

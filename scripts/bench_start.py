@@ -1,0 +1,126 @@
+#!/usr/bin/env python3
+"""Start memory of a ~300M-parameter GPT: one process against FSDP2 over 2 and 4 CPU processes (torchrun).
+
+    python scripts/bench_start.py                  24 x 1024 GPT (302M parameters), 1 step per launch
+    python scripts/bench_start.py --update-docs    also put the table into docs/BENCHMARKS.md
+    python scripts/bench_start.py --repo DIR       measure another checkout of the template (e.g. before a change)
+
+Every launch trains one optimizer step (AdamW, so its state exists) and reports from rank 0's summary.json:
+the peak RSS when the first step is done (`peak_memory_at_first_step_mb`: the model built, cut, filled, one step
+taken), the peak over the whole run (`peak_memory_mb`, with the final checkpoint and export), and the time from
+process start to the end of the first step. A tiny model on the same launch gives the runtime's fixed cost (torch,
+accelerate, the process group). The goal (issue "One engine"): with the meta-device start, rank 0's first-step peak
+is at most 1/dp_shard of the one-process model + optimizer memory (16 bytes per parameter: weights, gradients, two
+AdamW moments) plus that fixed cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "BENCHMARKS.md"
+START, END = "<!-- start_memory:start -->", "<!-- start_memory:end -->"
+COMMON = (
+    "model.n_head=16",
+    "model.block_size=64",
+    "train.batch_size=4",
+    "train.max_steps=1",
+    "train.warmup_steps=0",
+    "train.log_interval=1",
+    "eval.interval=0",
+    "eval.iters=1",
+    "checkpoint.interval=0",
+    "tracker=none",
+    "resume=none",
+)
+BIG, TINY = ("model.n_layer=24", "model.n_embd=1024"), ("model.n_layer=2", "model.n_embd=64")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(repo: Path, processes: int, model: tuple[str, ...], tmp: Path) -> dict:
+    out = tmp / f"run_{processes}_{len(os.listdir(tmp))}"
+    args = [*COMMON, *model, f"output_dir={out}"]
+    if processes > 1:
+        torchrun = Path(sys.executable).parent / "torchrun"
+        cmd = [str(torchrun), "--nproc-per-node", str(processes), "--master-port", str(free_port()), "train.py", *args]
+        args.append(f"parallel.dp_shard={processes}")
+        cmd.append(f"parallel.dp_shard={processes}")
+    else:
+        cmd = [sys.executable, "train.py", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp), WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
+    result = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=3600)
+    if result.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed:\n{result.stderr[-3000:]}")
+    s = json.loads((out / "summary.json").read_text())
+    n = sum(1 for line in result.stdout.splitlines() if "holds" in line)  # the banner names what rank 0 holds
+    return {
+        "first_step_mb": s.get("peak_memory_at_first_step_mb"),
+        "peak_mb": s["peak_memory_mb"],
+        "first_step_s": s["time_to_first_step_s"],
+        "local_params": s.get("local_param_numel"),
+        "banner": n,
+    }
+
+
+def table(rows: dict[str, dict], fixed: float, params: int) -> str:
+    state_mb = 16 * params / 2**20  # weights, gradients, two AdamW moments, fp32
+    lines = [
+        f"| layout | rank 0 first-step peak RSS | goal (state/dp + fixed {fixed:,.0f} MB) | whole-run peak RSS | time to first step |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, r in rows.items():
+        dp = int(name.split("x")[0]) if "x" in name else 1
+        first = f"{r['first_step_mb']:,.0f} MB" if r["first_step_mb"] else "n/a"
+        goal = state_mb / dp + fixed
+        lines.append(f"| {name} | {first} | {goal:,.0f} MB | {r['peak_mb']:,.0f} MB | {r['first_step_s']:.1f} s |")
+    return "\n".join(lines) + f"\n\nModel + optimizer state in one process: {state_mb:,.0f} MB ({params / 1e6:.0f}M parameters x 16 bytes)."
+
+
+def update_docs(text: str) -> None:
+    doc = DOC.read_text()
+    if START not in doc:
+        sys.exit(f"{DOC}: no {START} marker; add the section first")
+    head, rest = doc.split(START, 1)
+    DOC.write_text(f"{head}{START}\n{text}\n{END}{rest.split(END, 1)[1]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repo", type=Path, default=REPO, help="the checkout whose train.py runs")
+    parser.add_argument("--layouts", default="1,2,4", help="processes per launch (1: one process; N: dp_shard=N)")
+    parser.add_argument("--update-docs", action="store_true")
+    a = parser.parse_args()
+    sys.path.insert(0, str(REPO / "src"))
+    from parallel_train.model_init import parameters_on_meta
+    from parallel_train.models.gpt import GPT, GPTConfig
+
+    with parameters_on_meta():
+        params = sum(p.numel() for p in GPT(GPTConfig(n_layer=24, n_head=16, n_embd=1024, block_size=64), 65).parameters())
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        fixed = launch(a.repo, 2, TINY, Path(tmp))["first_step_mb"] or 0.0
+        for n in map(int, a.layouts.split(",")):
+            name = "1 process" if n == 1 else f"{n}x FSDP2 (dp_shard={n})"
+            rows[name] = launch(a.repo, n, BIG, Path(tmp))
+            print(name, rows[name], flush=True)
+    text = table(rows, fixed, params)
+    print(text)
+    if a.update_docs:
+        update_docs(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Evaluation, the same for every engine: the fixed validation set, each sample counted once.
+
+The validation set is `eval.iters` global batches of `eval.batch_size` samples (data.val_batches), the same on
+every topology. Each global batch is split across the data-parallel ranks as a training batch is (rank r takes
+the r-th slice), every rank runs the engine's forward on its slice, and the metrics' summed statistics
+(eval_metrics.py) are added over ranks at the end: 1 process x batch 8 and 2 processes x batch 4 evaluate the
+same samples and report the same numbers.
+
+Every rank runs as many forwards, because a forward may be a collective (FSDP2 all-gathers, tensor parallel
+all-reduces, pipeline stages send to each other); a rank whose slice is empty (a global batch smaller than the
+data-parallel size) runs one sample and counts nothing. Only the ranks that hold the model's output report it
+(`engine.eval_forward` returns None elsewhere: tensor-parallel peers compute the same logits, and only the
+last pipeline stage has them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from parallel_train.eval_metrics import add_stats, add_totals, metric_stats, metric_values
+
+
+def rank_slice(n: int, dp_size: int, dp_rank: int) -> tuple[int, int]:
+    """Rank `dp_rank`'s contiguous share of n samples: sizes differ by at most one."""
+    per, extra = divmod(n, dp_size)
+    start = dp_rank * per + min(dp_rank, extra)
+    return start, start + per + (dp_rank < extra)
+
+
+@torch.no_grad()
+def evaluate(engine, val_batches) -> dict[str, float]:
+    """Every validation metric ("loss" first) over the validation set. A collective: every rank calls it."""
+    engine.set_training(False)
+    totals = None
+    for x, y in val_batches:
+        lo, hi = rank_slice(len(x), engine.dp_size, engine.dp_rank)
+        empty = hi == lo
+        xs, ys = (x[:1], y[:1]) if empty else (x[lo:hi], y[lo:hi])
+        logits = engine.eval_forward(xs)
+        if logits is not None and not empty:
+            totals = add_stats(totals, metric_stats(logits, ys))
+    engine.set_training(True)
+    return metric_values(sum_over_ranks(totals))
+
+
+def sum_over_ranks(totals: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """Every rank's summed statistics added up (ranks without any add nothing): a few numbers per rank."""
+    if not torch.distributed.is_initialized():
+        return totals
+    parts: list[dict | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(parts, {k: v.cpu() for k, v in totals.items()} if totals is not None else None)
+    summed = None
+    for part in filter(None, parts):
+        summed = add_totals(summed, part)
+    return summed

@@ -1,0 +1,127 @@
+"""One optimizer step, the same for every engine (engine.py supplies only forward/backward and the gradient sync):
+
+    micro-batches      this rank's gradient_accumulation_steps slices of the global batch
+    count              valid targets (not IGNORE_INDEX) of the WHOLE step: every micro-batch, every data-parallel
+                       rank (one all-reduce of one number; none when the data says every target counts)
+    forward/backward   the engine runs the micro-batches; each one's summed token loss x dp_size / count goes
+                       backward (x the fp16 loss scale), and gradients are synchronised once per step
+    unscale, clip      fp16: gradients unscaled; then the global gradient norm (the engine knows where its
+                       gradients live: whole, DTensor shards, pipeline stages) and clipping
+    guard, update      a non-finite loss or gradient: guards.py skips or stops; an fp16 overflow: the scaler
+                       skips the update and lowers its scale, and the run goes on
+
+Why dp_size / count: every engine's gradient sync (DDP, FSDP2, the pipeline's replicas) AVERAGES over the
+data-parallel ranks; multiplying each rank's loss by dp_size first turns that average into the sum over ranks,
+so the gradient is that of (sum of every valid token's loss in the step) / (their number): the per-token mean of
+the global batch, equal on every topology whatever the padding. torchtitan gets the same numbers by setting
+FSDP's gradient divide factor to 1 instead. With fixed windows (no padding) this is exactly the mean of the
+micro-batch means that the loop computed before the loss was counted per token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+
+from parallel_train.guards import all_reduce_small
+from parallel_train.losses import valid_tokens
+from parallel_train.named_state import torch_optimizer
+from parallel_train.precision import Precision
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class StepResult:
+    loss_sum: torch.Tensor  # this rank's summed token loss of the step (device tensor; zero where it holds no loss)
+    count: torch.Tensor  # valid targets of the whole step, all ranks: the loss's denominator
+    tokens: int  # tokens this rank read (throughput)
+
+
+def accumulate(
+    micro: list[Batch],
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    backward: Callable[[torch.Tensor], None],
+    sync: Callable[[bool], AbstractContextManager],
+    device: torch.device,
+) -> torch.Tensor:
+    """Forward and backward of each micro-batch in turn, `sync(last)` around each so that gradients are
+    synchronised on the last one only (DDP's no_sync, FSDP2's set_requires_gradient_sync). Returns the summed
+    token loss (a device tensor: no host sync). Used by the engines whose model runs micro-batches one at a time."""
+    total = torch.zeros((), device=device)
+    for i, (x, y) in enumerate(micro):
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with sync(i == len(micro) - 1):
+            s = loss_sum(forward(x), y)
+            backward(s)
+        total += s.detach()
+    return total
+
+
+class Stepper:
+    """`step(batches)`: one optimizer step of `engine`; `mean_loss(result)`: its loss per token (a collective)."""
+
+    def __init__(self, engine, precision: Precision, cfg, every_target_counts: bool, gate) -> None:
+        self.engine, self.precision, self.cfg, self.gate = engine, precision, cfg, gate  # cfg: the train section
+        self.every_target_counts = every_target_counts  # the data has no IGNORE_INDEX targets: count = numel
+        self.world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        self.skipped_by_scaler = 0  # fp16 steps whose update the loss scaler skipped (an overflow)
+
+    def step(self, batches: Iterator[Batch]) -> StepResult:
+        engine = self.engine
+        micro = [next(batches) for _ in range(self.cfg.gradient_accumulation_steps)]
+        count = self.count(micro)
+        scale = engine.dp_size / count.clamp(min=1).to(torch.float32)  # a tensor: no host sync
+        loss_sum = engine.forward_backward(micro, scale, self.precision)
+        grad_norm = self._unscale_and_clip()
+        self._update(loss_sum, grad_norm)
+        engine.optimizer.zero_grad(set_to_none=True)
+        return StepResult(loss_sum, count, sum(y.numel() for _, y in micro))
+
+    def count(self, micro: list[Batch]) -> torch.Tensor:
+        """Valid targets of the step over every data-parallel rank, on the engine's device."""
+        device = self.engine.device
+        if self.every_target_counts:  # windows of text: every rank reads as many targets, none ignored
+            return torch.tensor(sum(y.numel() for _, y in micro) * self.engine.dp_size, device=device)
+        local = sum(valid_tokens(y) for _, y in micro).reshape(1)
+        # Every process reads a batch; those that read the same one (tensor-parallel and pipeline peers) count it
+        # again: world / dp_size copies of each data-parallel rank's count.
+        total = all_reduce_small(local, torch.distributed.ReduceOp.SUM, device)
+        return (total[0] * self.engine.dp_size // self.world).to(device)
+
+    def _unscale_and_clip(self) -> torch.Tensor | None:
+        """fp16: unscale the gradients first (the norm and the clip are in real units). The norm is needed to
+        clip, and to skip non-finite steps (inf: measure without clipping)."""
+        if self.precision.scaler is not None:
+            self.precision.scaler.unscale_(self.optimizer)
+        max_norm = self.cfg.grad_clip or (math.inf if self.cfg.max_skipped_steps else 0)
+        return self.engine.clip_grad_norm(max_norm) if max_norm else None
+
+    def _update(self, loss_sum: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
+        scaler = self.precision.scaler
+        # An fp16 overflow in the gradients is the scaler's to handle: only the loss is the guard's then.
+        if not self.gate(loss_sum, None if scaler is not None else grad_norm):  # guards.py: skip a non-finite step
+            return
+        if scaler is None:
+            self.engine.optimizer.step()
+            return
+        before = scaler.get_scale()  # a host sync, with fp16 only: the one way to learn that the scaler skipped
+        scaler.step(self.optimizer)
+        scaler.update()
+        if scaler.get_scale() < before:
+            self.skipped_by_scaler += 1
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return torch_optimizer(self.engine.optimizer)
+
+    def mean_loss(self, result: StepResult) -> torch.Tensor:
+        """The step's loss per valid token over all ranks, for logging. A collective."""
+        mine = result.loss_sum.detach() if self.engine.loss_owner else torch.zeros((), device=result.loss_sum.device)
+        total = all_reduce_small(mine.reshape(1).float(), torch.distributed.ReduceOp.SUM, self.engine.device)
+        return total[0].cpu() / result.count.clamp(min=1).cpu()
