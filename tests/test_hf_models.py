@@ -25,6 +25,7 @@ from parallel_train.models import hf_layouts
 from parallel_train.models.hf import HFCausalLM, HFConfig
 from parallel_train.pipeline.split import model_units, plan_stages, stage_module
 from parallel_train.sharding import fsdp_units
+from parallel_train.ties import find_ties
 from parallel_train.weights_export import load_weights
 
 transformers = pytest.importorskip("transformers")
@@ -130,15 +131,20 @@ def test_pipeline_stages_in_sequence_equal_the_whole_model(folders, name, n_stag
     assert sorted(names) == sorted(model.hf.state_dict())  # the transformers names, each once
 
 
-def test_tied_embeddings_are_stored_once_and_refused_by_the_splitter(folders):
+def test_tied_embeddings_are_stored_once_and_split_like_untied_ones(folders):
+    """The generic tie (ties.py): one weight under two names, stored once under the first; the splitter puts the
+    embedding in the first stage and lm_head in the last (pipeline/tied.py keeps their copies equal)."""
+    from parallel_train.engine import RankState
+    from parallel_train.named_state import rank_tensors
+
     gpt2 = adapter(folders["gpt2"])
-    assert gpt2.tied == {"lm_head.weight": "transformer.wte.weight"}
-    state = gpt2.state_dict()
-    assert "lm_head.weight" not in state and "transformer.wte.weight" in state
-    gpt2.load_state_dict(state)  # strict: the alias is not missing
+    assert gpt2.tied == find_ties(gpt2) == {"lm_head.weight": "transformer.wte.weight"}
+    tensors, meta = rank_tensors(RankState(gpt2.state_dict(), gpt2, None, gpt2.tied))
+    assert "model/lm_head.weight" not in tensors and "model/transformer.wte.weight" in tensors and meta["tied"] == gpt2.tied
+    gpt2.load_state_dict(gpt2.state_dict())
     assert gpt2.lm_head.weight is gpt2.transformer.wte.weight
-    with pytest.raises(UserError, match=r"ties its embeddings .*set model.untie_embeddings=true"):
-        plan_stages(gpt2, 2)
+    stages = plan_stages(gpt2, 2)
+    assert stages[0][0] == "transformer.wte" and stages[-1][-1] == "lm_head"
     untied = adapter(folders["gpt2"], untie_embeddings=True)
     assert not untied.tied and "lm_head.weight" in untied.state_dict()
     torch.testing.assert_close(untied.lm_head.weight, untied.transformer.wte.weight)  # a copy, trained apart
@@ -438,15 +444,23 @@ def test_gpt2_untied_in_two_stages_of_one_process_equals_the_unsplit_model(folde
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_gpt2_tied_trains_under_ddp_and_refuses_a_pipeline(folders, tmp_path):
+def test_gpt2_tied_trains_under_ddp_and_as_a_two_stage_pipeline_alike(folders, tmp_path):
+    """Tied GPT-2 under DDP (one tensor) and in 2 pipeline stages on 2 processes (a copy each, gradients summed:
+    pipeline/tied.py): the same 4 samples per step, the same losses; both exports tied."""
     gpt2 = (*RUN, f"model.hf_path={folders['gpt2']}")
-    out = tmp_path / "ddp"
+    out, pp = tmp_path / "ddp", tmp_path / "pp"
     check(run(torchrun_cmd(2, *gpt2, "train.batch_size=2", f"output_dir={out}"), env=launch_env(tmp_path)))
-    assert "lm_head.weight" not in load_file(str(out / "model.safetensors"))  # stored once, as transformers does
-    exported = transformers.AutoModelForCausalLM.from_pretrained(out / "hf")
-    assert exported.lm_head.weight.data_ptr() == exported.transformer.wte.weight.data_ptr()
-    refused = run(torchrun_cmd(2, *gpt2, "parallel.pipeline_stages=2", f"output_dir={tmp_path / 'pp'}"), env=launch_env(tmp_path))
-    assert refused.returncode != 0 and "set model.untie_embeddings=true" in refused.stderr, refused.output[-2000:]
+    stages = ("parallel.pipeline_stages=2", "parallel.microbatches=2", "parallel.schedule=1f1b")
+    check(run(torchrun_cmd(2, *gpt2, *stages, f"output_dir={pp}"), env=launch_env(tmp_path)))
+    got, want = train_losses(pp), train_losses(out)
+    assert all(got[s] == pytest.approx(want[s], abs=1e-5) for s in want), (got, want)
+    for run_dir in (out, pp):
+        assert "lm_head.weight" not in load_file(str(run_dir / "model.safetensors"))  # stored once, as transformers does
+        exported = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "hf")
+        assert exported.lm_head.weight.data_ptr() == exported.transformer.wte.weight.data_ptr()
+    w, r = load_weights(pp), load_weights(out)
+    assert torch.equal(w["lm_head.weight"], w["transformer.wte.weight"])
+    assert all(torch.allclose(w[k], r[k], atol=1e-4, rtol=1e-4) for k in r)
 
 
 def test_the_guide_commands_are_valid_configs():

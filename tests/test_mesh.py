@@ -147,7 +147,6 @@ def test_fsdp_yaml_shards_on_cpu(launched):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow
 def test_tensor_parallel_x_pipeline_on_4_ranks(launched):
     out, log = launched("tp2_pp2")
     assert "schedule 1f1b, 2 micro-batches x 2 accumulation = 4 per step, 1 data-parallel replica; mesh pp 2 x tp 2" in log

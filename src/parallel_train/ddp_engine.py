@@ -23,6 +23,7 @@ from parallel_train.mesh import MeshLayout, mesh_summary, share_line
 from parallel_train.named_state import torch_optimizer
 from parallel_train.precision import Precision
 from parallel_train.step import accumulate
+from parallel_train.ties import find_ties
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 
@@ -58,6 +59,7 @@ class DataParallelEngine:
         # One prepare call for both: DeepSpeed builds its engine from the model and the optimizer together.
         placement = [device_placement, device_placement]
         self.model, self.optimizer = accelerator.prepare(model, make_optimizer(model), device_placement=placement)
+        self.ties = find_ties(self.unwrapped)  # tied weights are one tensor here: checkpoints store them once (ties.py)
         self.device = accelerator.device
         # Data parallelism: which shard of the global batch this process reads (batch_sampler.py).
         self.dp_size, self.dp_rank = accelerator.num_processes, accelerator.process_index
@@ -100,8 +102,8 @@ class DataParallelEngine:
         if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
             # ZeRO keeps the optimizer state in flat partitions without parameter names (not saved; the run says so
             # at start), and ZeRO-3 partitions the weights too: accelerate gathers them (a collective there).
-            return RankState(self.accelerator.get_state_dict(self.model) or {}, self.unwrapped, None)
-        return RankState(self.unwrapped.state_dict(), self.unwrapped, torch_optimizer(self.optimizer))
+            return RankState(self.accelerator.get_state_dict(self.model) or {}, self.unwrapped, None, self.ties)
+        return RankState(self.unwrapped.state_dict(), self.unwrapped, torch_optimizer(self.optimizer), self.ties)
 
     def flops_per_token(self) -> int | None:
         return self.unwrapped.flops_per_token() if hasattr(self.unwrapped, "flops_per_token") else None

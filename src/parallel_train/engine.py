@@ -15,7 +15,7 @@ method marked "a collective" must be called by every rank, in the same order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -36,6 +36,9 @@ class RankState:
     module: nn.Module  # holds this rank's parameters under canonical names (named_parameters, load_state_dict)
     # the torch optimizer over exactly those parameters; None where its state has no per-parameter form (DeepSpeed ZeRO)
     optimizer: torch.optim.Optimizer | None
+    # {alias: owner} of the WHOLE model's tied weights (ties.py), found before it was cut: a tied weight is stored
+    # once, under its owner's name, and loaded into every name a rank holds (a pipeline stage may hold only the alias)
+    ties: dict[str, str] = field(default_factory=dict)
 
 
 class Engine(Protocol):

@@ -4,9 +4,9 @@ A metric comes in two parts, so that it is exact on any number of processes and 
 - `stats(logits, targets)`: a (batch, K) tensor of K numbers per sample that add up over the validation set
   (correct tokens and tokens; true/false positives; n-gram matches and lengths for BLEU);
 - `value(totals)`: the metric from those K numbers summed over the whole validation set.
-Evaluation sums the statistics of every sample exactly once, across ranks (Accelerate's `gather_for_metrics`
-drops the repeated samples of an uneven last batch), so a ratio of sums (a micro-average over tokens) or a
-corpus-level score comes out the same on 1 process as on 64.
+Evaluation (evaluation.py) sums the statistics of every sample exactly once, across ranks (each rank takes its
+slice of every global validation batch), so a ratio of sums (a micro-average over tokens) or a corpus-level score
+comes out the same on 1 process as on 64.
 
 `loss` must stay: the trainer reads it (val_loss, best checkpoint). Like training, it is per token: the summed
 `token_losses` over the summed count of valid targets (IGNORE_INDEX, padding, counts nowhere).

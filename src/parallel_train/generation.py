@@ -19,7 +19,7 @@ from parallel_train.config import Config, config_from_dict
 from parallel_train.errors import UserError
 from parallel_train.models import build_model
 from parallel_train.tokenization import HF_FILE, VOCAB_FILE, load_saved
-from parallel_train.weights_export import load_weights
+from parallel_train.weights_export import load_weights, read_weights
 
 
 @dataclass
@@ -58,8 +58,6 @@ def _run_file(name: str, *folders: Path | None) -> Path:
 
 def load_trained(run: Path | None, ckpt: Path | None = None, device: str = "cpu") -> Trained:
     """Build the run's model from its config.yaml and load its final weights (or a checkpoint's)."""
-    from safetensors.torch import load_file
-
     folder = _weights_folder(run, ckpt)
     cfg_path = _run_file("config.yaml", folder, run)
     try:
@@ -73,8 +71,8 @@ def load_trained(run: Path | None, ckpt: Path | None = None, device: str = "cpu"
         _run_file(f"{HF_FILE} or {VOCAB_FILE}", folder, run)  # raises: names where it looked
     model = build_model(cfg.model, max(vocab.size, cfg.model.vocab_size))
     weights = folder if ckpt is not None else folder / "model.safetensors"
-    try:  # a checkpoint holds each rank's part: assembled whole here (weights_export.py)
-        model.load_state_dict(load_weights(folder) if ckpt is not None else load_file(str(weights)))
+    try:  # a checkpoint holds each rank's part: assembled whole here (weights_export.py); a tied weight's alias restored
+        model.load_state_dict(load_weights(folder) if ckpt is not None else read_weights(weights))
     except RuntimeError as e:
         first = str(e).strip().splitlines()[0]
         raise UserError(f"{weights} does not fit model.name={cfg.model.name} built from {cfg_path} ({first})") from None

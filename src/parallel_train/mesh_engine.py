@@ -35,8 +35,9 @@ from parallel_train.engine import RankState
 from parallel_train.losses import loss_sum
 from parallel_train.mesh import MeshLayout, build_device_mesh, mesh_summary, share_line
 from parallel_train.precision import Precision
-from parallel_train.sharding import clip_grad_norm, local_numel, parallelize
+from parallel_train.sharding import clip_grad_norm, local_numel, parallelize, refuse_cut_ties
 from parallel_train.step import accumulate
+from parallel_train.ties import find_ties
 
 
 class MeshEngine:
@@ -53,6 +54,8 @@ class MeshEngine:
         self.loss_owner = self.tp_rank == 0  # tensor-parallel peers compute the same loss
         self._flops = model.flops_per_token() if hasattr(model, "flops_per_token") else None
         total = sum(q.numel() for q in model.parameters())
+        self.ties = find_ties(model)  # one tensor under FSDP2 (one root group holds it); tensor parallelism would cut it apart
+        refuse_cut_ties(model, self.ties, layout.tp)
         self.mesh = build_device_mesh(layout, self.device.type)
         policy = precision.fsdp_policy()
         self.compiled = parallelize(model, self.mesh, layout, mp_policy=policy, compile=cfg.train.compile)
@@ -99,7 +102,7 @@ class MeshEngine:
 
     # ---- state: this rank's DTensor shards under canonical names; checkpoints write each once (any topology loads them)
     def rank_state(self) -> RankState:
-        return RankState(self.model.state_dict(), self.model, self.optimizer)
+        return RankState(self.model.state_dict(), self.model, self.optimizer, self.ties)
 
     def finish(self, out: Path) -> dict[str, Any]:
         return mesh_summary(self.layout, self.local_numel)

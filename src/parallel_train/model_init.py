@@ -9,7 +9,8 @@ parameters memory and values (`Initializer.fill`):
   (`model.init_weights(name, module)`, or torch's `reset_parameters`) under a seed drawn from the run's seed
   and the module's name, and the rank keeps its slice of it. Keyed by name, not by the order of a random
   stream, the values are the same whatever holds them: one process, a DDP replica, an FSDP2 shard, a
-  tensor-parallel slice, a pipeline stage. Peak memory: one module, not one model.
+  tensor-parallel slice, a pipeline stage. Peak memory: one module, not one model. A tied weight (ties.py) is
+  filled by its owner's rule under any of its names, and stays one tensor where a rank holds both names.
 - pretrained weights (model.name=hf with hf_pretrained=true): each rank reads its slice of every tensor from
   the safetensors files (`safe_open(...).get_slice`), never the whole file; tensors the files lack
   (non-persistent buffers) are initialised as above.
@@ -31,6 +32,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from parallel_train.ties import find_ties, keep_identity
 
 InitRule = Callable[[str, nn.Module], None]
 
@@ -92,6 +95,7 @@ class Initializer:
     def __init__(self, model: nn.Module, seed: int, pretrained: list[Path] | None = None, aliases: dict[str, str] | None = None):
         self.seed = seed
         self.rule: InitRule = getattr(model, "init_weights", None) or default_rule
+        self.ties = find_ties(model)  # {alias: owner}: an alias is filled by its owner's rule (ties.py)
         self.templates = {name: _template(m) for name, m in model.named_modules() if any(True for _ in own_tensors(m))}
         # Real buffers (built on the CPU: rotary tables, causal masks) keep the values they were built with.
         self.buffers = {
@@ -103,30 +107,37 @@ class Initializer:
         self.pretrained = PretrainedTensors(pretrained, aliases or {}) if pretrained else None
 
     def fill(self, module: nn.Module, device: torch.device) -> None:
-        """Give `module`'s parameters (this rank's slices) memory on `device` and their first values."""
-        module.to_empty(device=device)
+        """Give `module`'s parameters (this rank's slices) memory on `device` and their first values. A tied weight
+        (ties.py) takes its owner's values under whichever name this part holds it: a pipeline stage holding only
+        the output layer starts with the embedding's draw, as the unsplit model does."""
+        with keep_identity():  # a tied weight stays one tensor under its names
+            module.to_empty(device=device)
         done: set[int] = set()  # a tied weight (one tensor, two names) is filled once
         with torch.no_grad():
             for name, sub in module.named_modules():
-                initialised = None  # the module's rule, run once for all its tensors that need it
+                initialised: dict[str, dict[str, torch.Tensor]] = {}  # a module's rule, run once for all its tensors
                 for n, t in own_tensors(sub):
                     if id(t) in done:
                         continue
                     key, region = f"{name}.{n}" if name else n, local_region(t)
+                    source = self.ties.get(key, key)
+                    owner, _, attr = source.rpartition(".")
                     if (name, n) in self.buffers:
                         value = self.buffers[(name, n)]
-                    elif self.pretrained is not None and key in self.pretrained:
-                        value, region = self.pretrained.read(key, region), None  # read as this rank's slice
+                    elif self.pretrained is not None and source in self.pretrained:
+                        value, region = self.pretrained.read(source, region), None  # read as this rank's slice
                     else:
-                        initialised = initialised or self.initialise(name)
-                        value = initialised[n]
+                        if owner not in initialised:
+                            initialised[owner] = self.initialise(owner)
+                        value = initialised[owner][attr]
                     local_view(t).copy_(value if region is None else value[region])
                     done.add(id(t))
 
     def release(self, module: nn.Module) -> None:
         """Give a filled part's memory back (its parameters on the meta device again): pipeline/cost.py's probe."""
         module.zero_grad(set_to_none=True)
-        module.to_empty(device="meta")
+        with keep_identity():
+            module.to_empty(device="meta")
 
     def initialise(self, name: str) -> dict[str, torch.Tensor]:
         """Module `name`'s own tensors, whole, on the CPU: its rule applied to a copy of its template, under the seed

@@ -32,16 +32,26 @@ def torch_optimizer(optimizer: Any) -> Any:
 
 
 def _param_names(rank: RankState) -> dict[int, str]:
-    return {id(p): n for n, p in rank.module.named_parameters()}
+    """Each parameter's name in the checkpoint: a tied weight's owner's name, whichever name this rank holds it by."""
+    return {id(p): rank.ties.get(n, n) for n, p in rank.module.named_parameters()}
+
+
+def _model_keys(rank: RankState) -> dict[str, str]:
+    """{checkpoint key: the name in rank.model}: a tied weight once, under its owner's name (ties.py)."""
+    keys: dict[str, str] = {}
+    for name in rank.model:
+        keys.setdefault(MODEL + rank.ties.get(name, name), name)
+    return keys
 
 
 def rank_tensors(rank: RankState) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """This rank's tensors under checkpoint keys (the live tensors: no copy), and the optimizer's JSON part."""
-    tensors = {MODEL + k: v.detach() for k, v in rank.model.items()}
+    """This rank's tensors under checkpoint keys (the live tensors: no copy), and the optimizer's JSON part (with
+    the model's tied names, `tied`: {alias: owner})."""
+    tensors = {key: rank.model[name].detach() for key, name in _model_keys(rank).items()}
     optimizer = torch_optimizer(rank.optimizer) if rank.optimizer is not None else None
     sd = optimizer.state_dict() if optimizer is not None else {}
     if "state" not in sd:  # DeepSpeed ZeRO keeps flat partitions, not one state per parameter: nothing to name
-        return tensors, {"param_groups": [], "scalars": {}, "missing": ZERO_MISSING}
+        return tensors, {"param_groups": [], "scalars": {}, "missing": ZERO_MISSING, "tied": rank.ties}
     names = _param_names(rank)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     scalars: dict[str, Any] = {}
@@ -55,7 +65,7 @@ def rank_tensors(rank: RankState) -> tuple[dict[str, torch.Tensor], dict[str, An
     groups = [
         {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(params[i])] for i in g["params"]]} for g in sd["param_groups"]
     ]
-    return tensors, {"param_groups": groups, "scalars": scalars}
+    return tensors, {"param_groups": groups, "scalars": scalars, "tied": rank.ties}
 
 
 def merge_meta(parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -69,7 +79,7 @@ def merge_meta(parts: list[dict[str, Any]]) -> dict[str, Any]:
         names = list(dict.fromkeys(n for part in parts for n in part["param_groups"][gi]["params"]))
         groups.append({**group, "params": names})
     scalars = {k: v for part in parts for k, v in part["scalars"].items()}
-    return {"param_groups": groups, "scalars": scalars}
+    return {"param_groups": groups, "scalars": scalars, "tied": first.get("tied", {})}  # the whole model's, on every rank
 
 
 def templates(rank: RankState, saved: dict[str, tuple[torch.Size, torch.dtype]], model_names: set[str]) -> dict[str, torch.Tensor]:
@@ -81,10 +91,11 @@ def templates(rank: RankState, saved: dict[str, tuple[torch.Size, torch.dtype]],
     if extra:
         raise UserError(f"the checkpoint holds {extra[0]!r} ({len(extra)} weights this model lacks); was it written for another model?")
     out: dict[str, torch.Tensor] = {}
-    for name, value in rank.model.items():
-        key = MODEL + name
+    keys = _model_keys(rank)
+    for key, name in keys.items():
+        value = rank.model[name]
         if key not in saved:
-            missing = [n for n in rank.model if MODEL + n not in saved]
+            missing = [n for n in keys if n not in saved]
             raise UserError(
                 f"the checkpoint has no {name!r} ({len(missing)} of this model's weights missing); was it written for another model?"
             )
@@ -94,7 +105,7 @@ def templates(rank: RankState, saved: dict[str, tuple[torch.Size, torch.dtype]],
     if rank.optimizer is None:
         return out
     for name, param in rank.module.named_parameters():
-        prefix = f"{OPTIMIZER}{name}/"
+        prefix = f"{OPTIMIZER}{rank.ties.get(name, name)}/"
         for key in (k for k in saved if k.startswith(prefix)):
             shape, dtype = saved[key]
             # Moments have the parameter's shape and are sharded like it; anything else (Adam's step) is whole.
@@ -104,8 +115,9 @@ def templates(rank: RankState, saved: dict[str, tuple[torch.Size, torch.dtype]],
 
 
 def load_into(rank: RankState, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-    """Load checkpoint tensors (laid out by `templates`) and the optimizer's JSON into this rank's model and optimizer."""
-    rank.module.load_state_dict({k[len(MODEL) :]: v for k, v in tensors.items() if k.startswith(MODEL)})
+    """Load checkpoint tensors (laid out by `templates`) and the optimizer's JSON into this rank's model and optimizer.
+    Every name of a tied weight this rank holds gets the owner's tensor."""
+    rank.module.load_state_dict({name: tensors[MODEL + rank.ties.get(name, name)] for name in rank.model})
     if rank.optimizer is not None:
         load_optimizer_by_name(rank, {k[len(OPTIMIZER) :]: v for k, v in tensors.items() if k.startswith(OPTIMIZER)}, meta)
 
@@ -119,9 +131,12 @@ def load_optimizer_by_name(rank: RankState, tensors: dict[str, torch.Tensor], me
     names = _param_names(rank)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     state: dict[int, dict[str, Any]] = {}
+    seen: set[str] = set()
     for idx, p in enumerate(params):
         prefix = names[id(p)] + "/"
-        entry = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+        # Two copies of one tied weight on this rank (stages sharded apart) each get their own state, never one shared.
+        entry = {k[len(prefix) :]: (v.clone() if prefix in seen else v) for k, v in tensors.items() if k.startswith(prefix)}
+        seen.add(prefix)
         entry.update({k[len(prefix) :]: v for k, v in meta["scalars"].items() if k.startswith(prefix)})
         if entry:
             state[idx] = entry

@@ -39,6 +39,22 @@ def tensor_parallel_plan(model: nn.Module, tp: int) -> dict:
     return {name: style for name, style in plan.items() if _holds(model, name)}
 
 
+def refuse_cut_ties(model: nn.Module, ties: dict[str, str], tp: int) -> None:
+    """One line where tensor parallelism would cut a tied weight (ties.py): `parallelize_module` gives each module
+    in the plan its own sharded parameter, so the names would become separate weights. Checked on the whole model
+    (every rank decides alike), after the model's own plan (an HF model's refusal says how to untie it)."""
+    if tp == 1 or not ties:
+        return
+    plan = tensor_parallel_plan(model, tp)
+    for alias, owner in sorted(ties.items()):
+        cut = [name.rpartition(".")[0] for name in (owner, alias) if any(name.startswith(part + ".") for part in plan)]
+        if cut:
+            raise UserError(
+                f"parallel.tp={tp}: {alias} is {owner} (tied weights), and tensor parallelism would cut {' and '.join(cut)} "
+                "as separate weights; untie them (GPT: model.tie_embeddings=false) or shard with parallel.dp_shard instead"
+            )
+
+
 def _holds(model: nn.Module, name: str) -> bool:
     try:
         return model.get_submodule(name) is not None
@@ -101,11 +117,12 @@ def local_numel(module: nn.Module) -> int:
     return sum(q.to_local().numel() if hasattr(q, "to_local") else q.numel() for q in module.parameters())
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float, pp_group=None) -> torch.Tensor:
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, pp_group=None, not_counted: set[int] | None = None) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ over the whole model, for parameters that may be DTensors on different
     meshes (torch's own needs one mesh), next to plain ones (a Hugging Face plan leaves the norms whole), and split
     over pipeline stages: squared norms of each mesh's parameters (a DTensor norm, all-reduced by DTensor), of plain
-    ones, then summed over the stages; each group is then scaled by the one total."""
+    ones, then summed over the stages; each group is then scaled by the one total. `not_counted`: ids of parameters
+    clipped but left out of the norm (the other copies of a tied weight, pipeline/tied.py)."""
     with_grads = [q for q in params if q.grad is not None]
     groups: dict[object, list[torch.Tensor]] = {}  # mesh (None: plain tensors) -> its parameters
     for q in with_grads:
@@ -113,7 +130,10 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, pp_group=None) -
     device = with_grads[0].device if with_grads else torch.device("cpu")
     sq = torch.zeros((), device=device, dtype=torch.float32)
     for group in groups.values():
-        norm = torch.nn.utils.get_total_norm([q.grad for q in group], 2.0)
+        counted = [q.grad for q in group if not not_counted or id(q) not in not_counted]
+        if not counted:
+            continue
+        norm = torch.nn.utils.get_total_norm(counted, 2.0)
         sq += (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).float().pow(2)
     if pp_group is not None:
         dist.all_reduce(sq, group=pp_group)

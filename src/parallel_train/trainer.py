@@ -139,6 +139,7 @@ class Trainer:
         probe = lambda: [t[: cfg.train.batch_size] for t in next(iter(val_loader(self.data, cfg, 1)))]  # noqa: E731 (parallel.split=time)
         make_optimizer = lambda m: build_optimizer(m, cfg.train, fused)  # noqa: E731 (over the parameters this rank holds)
         self.engine = build_engine(cfg, self.accelerator, model, init, make_optimizer, self.precision, probe)
+        self.start_memory = peak_memory_mb(self.device)  # the model in place, cut and filled: what the start cost
         self.optimizer = torch_optimizer(self.engine.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.val_batches = val_loader(self.data, cfg, self.engine.dp_size)
@@ -361,6 +362,7 @@ class Trainer:
             "checkpoint_blocking_s": self.saver.blocking_s,  # the loop's time in checkpoint saves (checkpoint.async: the copy)
             "checkpoint_drain_s": self.saver.drain_s,  # the wait for the last background write, after the loop
             **peak_memory_mb(self.device),
+            **{f"{k}_after_start": v for k, v in self.start_memory.items()},
             **{f"{k}_at_first_step": v for k, v in getattr(self, "first_step_memory", {}).items()},
         }
 

@@ -4,6 +4,10 @@ A checkpoint holds each rank's part (checkpoint_storage.py): a tensor may be cut
 ranks. Exporting reads the chunk positions from the safetensors headers, then builds and writes one whole tensor
 at a time, so its memory is the largest tensor, not the model, whatever the model's size.
 
+A tied weight (ties.py) is stored once, under its owner's name; the export keeps the map of its other names in the
+safetensors header (`tied_weights`: json {alias: owner}, and in the index's metadata), and `load_weights` /
+`read_weights` give each alias its owner's tensor, so the tied model loads strictly.
+
 Why not torch's own consolidation (torch.distributed.checkpoint._consolidate_hf_safetensors, the same idea): in
 torch 2.13 it writes zeros for 0-d tensors (a scalar parameter or buffer) and fails on integer dtypes
 (`torch.finfo`), and it keeps the checkpoint's key prefixes; this module is the same streaming copy without those.
@@ -23,6 +27,7 @@ from safetensors import safe_open
 from parallel_train.checkpoint_manifest import SHARD_DIR
 from parallel_train.checkpoint_storage import SHARDING_INFO
 from parallel_train.named_state import MODEL
+from parallel_train.ties import TIED_KEY, ties_from_metadata, with_aliases
 
 INDEX = "model.safetensors.index.json"  # the Hugging Face name for a sharded model's weight map
 # The safetensors dtype names (https://huggingface.co/docs/safetensors/index#format) and their torch dtypes.
@@ -84,10 +89,11 @@ def whole_tensor(entry: Entry) -> torch.Tensor:
     return full
 
 
-def write_safetensors(path: Path, entries: dict[str, Entry]) -> None:
-    """A safetensors file of `entries` (name order), streamed: the header first, then one whole tensor at a time.
-    Written to `path.tmp`, then renamed, so a kill never leaves half a file under the final name."""
-    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+def write_safetensors(path: Path, entries: dict[str, Entry], ties: dict[str, str] | None = None) -> None:
+    """A safetensors file of `entries` (name order), streamed: the header first, then one whole tensor at a time;
+    `ties` ({alias: owner}) go into its metadata. Written to `path.tmp`, then renamed, so a kill never leaves half
+    a file under the final name."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt", **({TIED_KEY: json.dumps(ties, sort_keys=True)} if ties else {})}}
     begin = 0
     for name, entry in sorted(entries.items()):
         header[name] = {"dtype": entry.dtype, "shape": entry.shape, "data_offsets": [begin, begin + entry.nbytes]}
@@ -112,15 +118,36 @@ def checkpoint_weights(checkpoint: Path) -> dict[str, Entry]:
     return index_files([checkpoint / "model.safetensors"])
 
 
+def checkpoint_ties(checkpoint: Path) -> dict[str, str]:
+    """The tied names ({alias: owner}) a checkpoint records (optimizer.json), or a whole model.safetensors (its header)."""
+    if (checkpoint / "optimizer.json").is_file():
+        return json.loads((checkpoint / "optimizer.json").read_text()).get("tied", {})
+    if (checkpoint / "model.safetensors").is_file():
+        with safe_open(str(checkpoint / "model.safetensors"), framework="pt") as f:
+            return ties_from_metadata(f.metadata())
+    return {}
+
+
 def load_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """The whole model of a checkpoint in memory (for sampling from a small model, and tests)."""
-    return {name: whole_tensor(entry) for name, entry in checkpoint_weights(checkpoint).items()}
+    """The whole model of a checkpoint (or of a folder's model.safetensors) in memory, every alias of a tied weight
+    given its owner's tensor (for sampling from a small model, and tests)."""
+    weights = {name: whole_tensor(entry) for name, entry in checkpoint_weights(checkpoint).items()}
+    return with_aliases(weights, checkpoint_ties(checkpoint))
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors, with the aliases its header records (`load_file` and the tied names)."""
+    from safetensors.torch import load_file
+
+    with safe_open(str(path), framework="pt") as f:
+        ties = ties_from_metadata(f.metadata())
+    return with_aliases(load_file(str(path)), ties)
 
 
 def export(checkpoint: Path, out_dir: Path, max_file_bytes: int | None = None) -> list[Path]:
     """Write the checkpoint's weights into `out_dir`: `model.safetensors`, or, past `max_file_bytes`, shards
     `model-00001-of-0000N.safetensors` plus `model.safetensors.index.json` (Hugging Face's layout)."""
-    entries = checkpoint_weights(checkpoint)
+    entries, ties = checkpoint_weights(checkpoint), checkpoint_ties(checkpoint)
     out_dir.mkdir(parents=True, exist_ok=True)
     groups: list[dict[str, Entry]] = [{}]
     for name, entry in sorted(entries.items()):
@@ -128,12 +155,12 @@ def export(checkpoint: Path, out_dir: Path, max_file_bytes: int | None = None) -
             groups.append({})
         groups[-1][name] = entry
     if len(groups) == 1:
-        write_safetensors(out_dir / "model.safetensors", entries)
+        write_safetensors(out_dir / "model.safetensors", entries, ties)
         return [out_dir / "model.safetensors"]
     names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     for name, group in zip(names, groups, strict=True):
-        write_safetensors(out_dir / name, group)
+        write_safetensors(out_dir / name, group, ties)
     weight_map = {tensor: name for name, group in zip(names, groups, strict=True) for tensor in group}
-    total = sum(e.nbytes for e in entries.values())
-    (out_dir / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    metadata = {"total_size": sum(e.nbytes for e in entries.values()), **({TIED_KEY: ties} if ties else {})}
+    (out_dir / INDEX).write_text(json.dumps({"metadata": metadata, "weight_map": weight_map}, indent=2))
     return [out_dir / n for n in names] + [out_dir / INDEX]

@@ -5,7 +5,8 @@ checkpoints use them as parameter names whatever the topology):
 
     tok_emb, pos_emb      token and position embeddings
     blocks.0 .. blocks.N  transformer blocks (a ModuleDict, so names survive when a stage keeps a few)
-    ln_f, head            final LayerNorm and the output projection to the vocabulary
+    ln_f, head            final LayerNorm and the output projection to the vocabulary (model.tie_embeddings=true:
+                          its weight is tok_emb's, one weight on every layout: ties.py)
 
 `forward` tolerates missing parts (set to None by a pipeline stage): a stage without the embeddings
 takes the previous stage's activations as input, a stage without the head returns activations.
@@ -42,6 +43,7 @@ class GPTConfig(ModelConfig):
     dropout: float = opt(0.0, "dropout probability", min=0.0, below=1.0)
     bias: bool = opt(True, "bias in Linear and LayerNorm layers")
     activation_checkpointing: bool = opt(False, "recompute each block's activations in backward: less memory, about 1/3 more compute")
+    tie_embeddings: bool = opt(False, "the output layer uses the token embedding's weight (GPT-2 ties them): fewer parameters")
 
     def check(self) -> None:
         check(self.n_embd % self.n_head == 0, f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})")
@@ -111,8 +113,9 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        # Not tied to tok_emb: tying would couple the first and last pipeline stages.
         self.head = nn.Linear(cfg.n_embd, vocab_size, bias=False)
+        if cfg.tie_embeddings:  # one weight, two names; every layout keeps it one weight (ties.py)
+            self.head.weight = self.tok_emb.weight
 
         self.n_layer = cfg.n_layer
         # Every module initialised by init_weights, drawing from torch's generator: built whole (tests, scripts),

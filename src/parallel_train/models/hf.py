@@ -15,10 +15,11 @@
   lists them) and `tensor_parallel_plan(tp)` (transformers' own plan for the model, as torch ParallelStyles) for
   the sharding engines.
 
-Tied embeddings (GPT-2, some Llamas: lm_head.weight is the input embedding): kept tied under data parallelism
-and FSDP, exactly as transformers trains them. A pipeline split would put that one weight in the first and the
-last stage, so it is refused in one line unless model.untie_embeddings=true gives lm_head its own copy (trained
-separately, exported untied). Checkpoints of a tied model store the shared weight once, under its first name.
+Tied embeddings (GPT-2, some Llamas: lm_head.weight is the input embedding) are handled as any model's tie
+(ties.py): one tensor under data parallelism and FSDP, exactly as transformers trains them; a copy on each pipeline
+stage that holds a name of it, kept equal by summing their gradients (pipeline/tied.py); stored once in
+checkpoints, under its first name; refused under tensor parallelism. model.untie_embeddings=true gives lm_head its
+own copy instead (trained separately, exported untied).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from parallel_train.config_fields import check, opt
 from parallel_train.errors import UserError
 from parallel_train.model_config import ModelConfig
 from parallel_train.models import hf_export, hf_layouts, hf_loading, hf_tensor_parallel
+from parallel_train.ties import find_ties, with_aliases
 
 
 @dataclass
@@ -46,7 +48,7 @@ class HFConfig(ModelConfig):
         "float32", "dtype of the weights (and optimizer state); bf16 compute: train.mixed_precision=bf16", choices=tuple(hf_loading.DTYPES)
     )
     attn_implementation: str = opt("sdpa", "transformers attention kernel", choices=("sdpa", "eager", "flash_attention_2"))
-    untie_embeddings: bool = opt(False, "give lm_head its own copy of a tied input embedding (needed to split it into pipeline stages)")
+    untie_embeddings: bool = opt(False, "give lm_head its own copy of a tied input embedding (trained apart, exported untied)")
     activation_checkpointing: bool = opt(
         False, "recompute each decoder layer's activations in backward: less memory, about 1/3 more compute"
     )
@@ -57,18 +59,6 @@ class HFConfig(ModelConfig):
 
     def own_tokenizer(self) -> str | None:
         return self.hf_path  # its folder's tokenizer.json (or the Hub repository's)
-
-
-def tied_aliases(model: nn.Module) -> dict[str, str]:
-    """{second name: first name} for every parameter registered under two names (lm_head.weight -> the embedding)."""
-    first: dict[int, str] = {}
-    aliases = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            aliases[name] = first[id(p)]
-        else:
-            first[id(p)] = name
-    return aliases
 
 
 class HFCausalLM(nn.Module):
@@ -82,8 +72,8 @@ class HFCausalLM(nn.Module):
         hf = hf_loading.build_causal_lm(config, cfg.hf_path, cfg.dtype, cfg.attn_implementation)
         # Weights whose first values are another's in the files (an untied lm_head starts as the embedding).
         self.__dict__["weight_aliases"] = {}
-        if cfg.untie_embeddings and tied_aliases(hf):
-            self.weight_aliases.update(tied_aliases(hf))
+        if cfg.untie_embeddings and find_ties(hf):
+            self.weight_aliases.update(find_ties(hf))
             hf.lm_head.weight = nn.Parameter(hf.lm_head.weight.detach().clone())
             hf.config.get_text_config().tie_word_embeddings = False
         if cfg.activation_checkpointing:
@@ -99,9 +89,7 @@ class HFCausalLM(nn.Module):
         self.pipeline_groups = self.layout.groups if self.layout else ()
         self._no_split_modules = list(getattr(hf, "_no_split_modules", None) or [])
         self.tp_plan = dict(getattr(hf, "tp_plan", None) or {})
-        self.tied = tied_aliases(hf)
-        self._register_state_dict_hook(_drop_aliases)
-        self.register_load_state_dict_post_hook(_aliases_not_missing)
+        self.tied = find_ties(hf)  # {lm_head.weight: the input embedding's name} when tied
         self.train()
         if self.pretrained and not next(self.parameters()).is_meta:  # built whole (tests, scripts): load its weights now
             self._load_pretrained()
@@ -122,7 +110,8 @@ class HFCausalLM(nn.Module):
         state = {}
         for f in self.pretrained_files():
             state.update(load_file(str(f)))
-        state.update({alias: state[name] for alias, name in self.weight_aliases.items() if name in state and alias not in state})
+        # An untied lm_head starts as the embedding; a tied one is the embedding (save_pretrained stores it once).
+        state = with_aliases(with_aliases(state, self.weight_aliases), self.tied)
         missing = [n for n in self.state_dict() if n not in state]
         if missing:
             raise UserError(
@@ -180,12 +169,6 @@ class HFCausalLM(nn.Module):
                 f"{what}: no pipeline layout for this architecture (known: {known}); train it without pipeline stages "
                 "(data parallel or FSDP), or add its layout in src/parallel_train/models/hf_layouts.py"
             )
-        if self.tied:
-            pairs = ", ".join(f"{a} is {b}" for a, b in self.tied.items())
-            raise UserError(
-                f"{what} ties its embeddings ({pairs}): a pipeline split would put one weight in two stages; "
-                "set model.untie_embeddings=true (lm_head gets its own copy) or train without pipeline stages"
-            )
         units = hf_layouts.pipeline_units(self, self.layout)
         placed = {id(p) for unit in units.values() for p in unit.parameters()}
         stray = [name for name, p in self.named_parameters() if id(p) not in placed]
@@ -208,16 +191,3 @@ class HFCausalLM(nn.Module):
     def export(cfg: HFConfig, state: dict[str, torch.Tensor], out: Path, tokenizer: Any) -> str:
         """Write `out` as a Hugging Face model folder (hf_export.py); returns a line saying what was written."""
         return hf_export.export_pretrained(cfg, state, out, tokenizer)
-
-
-def _drop_aliases(module: HFCausalLM, state: dict, prefix: str, local_metadata: Any) -> None:
-    """A tied weight once in a state dict (safetensors refuses two names for one tensor)."""
-    for alias in module.tied:
-        state.pop(prefix + alias, None)
-
-
-def _aliases_not_missing(module: HFCausalLM, incompatible: Any) -> None:
-    """Loading: the tied alias comes with the weight it shares, so it is not missing."""
-    for alias in module.tied:
-        if alias in incompatible.missing_keys:
-            incompatible.missing_keys.remove(alias)

@@ -41,9 +41,11 @@ from parallel_train.mesh import MeshLayout, build_device_mesh, mesh_summary, sha
 from parallel_train.pipeline.cost import measure_units
 from parallel_train.pipeline.placement import V_SHAPED, forward_through, rank_of_stage, stages_of_rank, stages_per_rank
 from parallel_train.pipeline.split import describe_stages, plan_stages, stage_module
+from parallel_train.pipeline.tied import TiedAcrossStages
 from parallel_train.pipeline.timeline import Recorder, write_report
 from parallel_train.precision import Precision
-from parallel_train.sharding import clip_grad_norm, local_numel, parallelize
+from parallel_train.sharding import clip_grad_norm, local_numel, parallelize, refuse_cut_ties
+from parallel_train.ties import find_ties
 
 SCHEDULES = {
     "gpipe": "ScheduleGPipe",
@@ -126,6 +128,8 @@ class MultiProcessPipelineEngine:
 
         self._flops = model.flops_per_token() if hasattr(model, "flops_per_token") else None
         total = sum(q.numel() for q in model.parameters())
+        ties = find_ties(model)  # the whole model's, before any cut: a stage may hold only the alias (pipeline/tied.py)
+        refuse_cut_ties(model, ties, layout.tp)
         measure = measure_units(model, probe, self.device, init)
         plan = plan_stages(model, S * V, p.split, measure)
         self.stage_ids = stages_of_rank(self.pp_rank, S, V, p.schedule)  # the placement the schedule expects
@@ -144,6 +148,8 @@ class MultiProcessPipelineEngine:
             self.compiled = parallelize(mod, mesh, layout, mp_policy=policy, compile=cfg.train.compile, shard_data_parallel=layout.dp > 1)
         self.autocast = not (layout.dp > 1 and policy is not None)  # FSDP2's policy already computes in bf16/fp16
         init.fill(self.local, self.device)  # model_init.py: only this rank's stages (its slices of them) get memory
+        self.ties = ties
+        self.tied = TiedAcrossStages(ties, plan, self.where, layout, rank, self.local)  # creates process groups: every rank
         self.optimizer = make_optimizer(self.local)
         self.params = [q for group in self.optimizer.param_groups for q in group["params"]]
         self.local_numel = local_numel(self.local)
@@ -219,11 +225,12 @@ class MultiProcessPipelineEngine:
         # The last M x A calls are the micro-batches: the schedule's first step also calls the loss once on an
         # uninitialised output, to infer the shapes of the gradients it will send.
         sums = self._sums[-self.M :]
+        self.tied.sum_gradients()  # the copies of a tied weight on other stages' ranks: one gradient (pipeline/tied.py)
         return torch.stack(sums).sum() if sums else torch.zeros((), device=self.device)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """The global norm: squared norms of every stage's gradients summed over the pipeline ranks."""
-        return clip_grad_norm(self.params, max_norm, self.pp_group)
+        """The global norm: squared norms of every stage's gradients summed over the pipeline ranks (a tied weight once)."""
+        return clip_grad_norm(self.params, max_norm, self.pp_group, self.tied.not_counted())
 
     def eval_forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """Forward only through the stages (placement.forward_through); the last stage's tensor-parallel rank 0
@@ -240,7 +247,7 @@ class MultiProcessPipelineEngine:
     # ---- state: this rank's stages under canonical names (its shards of sharded stages); replicas hold the same,
     # which checkpoints write once
     def rank_state(self) -> RankState:
-        return RankState(self.local.state_dict(), self.local, self.optimizer)
+        return RankState(self.local.state_dict(), self.local, self.optimizer, self.ties)
 
     def _gather(self, obj: Any) -> list[Any] | None:
         parts = [None] * self.world if self.rank == 0 else None

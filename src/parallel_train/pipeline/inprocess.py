@@ -28,8 +28,10 @@ from parallel_train.mesh import mesh_summary
 from parallel_train.model_init import Whole
 from parallel_train.pipeline.cost import measure_units
 from parallel_train.pipeline.split import describe_stages, model_units, plan_stages
+from parallel_train.pipeline.tied import stages_holding
 from parallel_train.pipeline.timeline import Recorder, write_report
 from parallel_train.precision import Precision
+from parallel_train.ties import describe, find_ties, tie_groups
 
 
 def resolve_devices(names: list[str], local_rank: int) -> list[torch.device]:
@@ -61,6 +63,19 @@ def resolve_devices(names: list[str], local_rank: int) -> list[torch.device]:
                 raise UserError(f"parallel.stage_devices: device {str(d)!r} is not available here; use cpu or cuda:N") from None
         out.append(d)
     return out
+
+
+def refuse_ties_across_devices(ties: dict[str, str], stages: list[list[str]], devices: list[torch.device]) -> None:
+    """A tied weight (ties.py) is one tensor in this one process: its stages must share a device. (On several
+    devices it would need a copy per device and summed gradients, as executor 2 does across processes.)"""
+    for names in tie_groups(ties).values():
+        where = {devices[s] for s in stages_holding(names, stages)}
+        if len(where) > 1:
+            raise UserError(
+                f"parallel.stage_devices: {describe({n: names[0] for n in names[1:]})} (tied weights), and its stages "
+                f"run on {', '.join(sorted(map(str, where)))}; put those stages on one device, or launch one process per "
+                "stage (no parallel.stage_devices), which keeps a tie across stages"
+            )
 
 
 class Clock:
@@ -211,6 +226,7 @@ class InProcessPipelineEngine(DataParallelEngine):
         init.fill(model, torch.device("cpu"))  # one process holds every stage: the whole model, then each stage moves
         measure = measure_units(model, probe, devices[0], Whole())
         stages = plan_stages(model, len(devices), p.split, measure)
+        refuse_ties_across_devices(find_ties(model), stages, devices)
         self.base, self.stages, self.devices = model, stages, devices
         self.recorder = Recorder()
         # On GPUs the host would wait for each timed flush; time one flush in ten there.
