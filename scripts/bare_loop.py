@@ -12,7 +12,7 @@ loop (`parallelize_module` with the model's own plan; every rank reads the same 
     python scripts/bare_loop.py --config configs/shakespeare_char_cpu.yaml train.max_steps=300
     torchrun --nproc-per-node 2 scripts/bare_loop.py --config configs/shakespeare_char_cpu.yaml
     torchrun --nproc-per-node 2 scripts/bare_loop.py --mode fsdp ...      (or --mode tp)
-    python scripts/bare_loop.py --keep-freed-memory ...   with the template's malloc setting (perf.py)
+    python scripts/bare_loop.py --keep-freed-memory ...   with the template's malloc setting (observe/perf.py)
 
 Prints one JSON line: steady-state tokens/s (first log interval left out, as train.py does) and the
 loss at every log step (these match train.py's metrics.jsonl: same data, same arithmetic; under DDP
@@ -35,11 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from parallel_train.batch_sampler import GlobalBatchSampler  # noqa: E402
-from parallel_train.config import load_config  # noqa: E402
+from parallel_train.config.load import load_config  # noqa: E402
+from parallel_train.data.batch_sampler import GlobalBatchSampler  # noqa: E402
 from parallel_train.models.gpt import GPT  # noqa: E402
+from parallel_train.observe.perf import keep_freed_host_memory  # noqa: E402
 from parallel_train.optim import build_optimizer, lr_at  # noqa: E402
-from parallel_train.perf import keep_freed_host_memory  # noqa: E402
 
 
 def main(argv: list[str]) -> None:

@@ -117,9 +117,9 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from parallel_train.checkpoint import Checkpointer, checkpoint_name
-    from parallel_train.config import TrainConfig
-    from parallel_train.engine import RankState
+    from parallel_train.checkpoint.checkpointer import Checkpointer, checkpoint_name
+    from parallel_train.checkpoint.named_state import RankState
+    from parallel_train.config.sections import TrainConfig
     from parallel_train.losses import loss_fn
     from parallel_train.models.gpt import GPT, Block, GPTConfig
     from parallel_train.optim import build_optimizer

@@ -105,9 +105,9 @@ def data_setup(path: Path) -> float:
     out = subprocess.run([PYTHON, "-c", f"""
 import json, sys, time
 sys.path.insert(0, {str(REPO / "src")!r})
-from parallel_train.config import load_config
-from parallel_train.data import train_loader, val_loader
-from parallel_train.data_sources import load_data
+from parallel_train.config.load import load_config
+from parallel_train.data.text import train_loader, val_loader
+from parallel_train.data.sources import load_data
 cfg, _ = load_config(["data.path={path}"])
 t = time.perf_counter()
 data = load_data(cfg)
@@ -153,7 +153,7 @@ def nanogpt_worker(documents: str, tokenizer: str, num_proc: int, out: str) -> N
     import numpy as np
 
     sys.path.insert(0, str(REPO / "src"))
-    from parallel_train.tokenization import load_tokenizer
+    from parallel_train.data.tokenizers import load_tokenizer
 
     datasets.disable_progress_bars()
     t0 = time.perf_counter()
@@ -281,9 +281,9 @@ def loader_alone(label: str, args: list[str], world: int = 1, rank: int = 0, bat
     out = subprocess.run([PYTHON, "-c", f"""
 import json, statistics, sys, time
 sys.path.insert(0, {str(REPO / "src")!r})
-from parallel_train.config import load_config
-from parallel_train.data import train_loader
-from parallel_train.data_sources import load_data
+from parallel_train.config.load import load_config
+from parallel_train.data.text import train_loader
+from parallel_train.data.sources import load_data
 cfg, _ = load_config({args!r})
 it = iter(train_loader(load_data(cfg), cfg, {world}, {rank}, 1000, pin_memory=False))
 next(it)
@@ -324,10 +324,10 @@ def bits_per_char(run_dir: Path) -> str:
     import yaml
 
     sys.path.insert(0, str(REPO / "src"))
-    from parallel_train.config import config_from_dict
-    from parallel_train.data import load_corpus
-    from parallel_train.prepared_data import is_prepared, read_meta
-    from parallel_train.tokenization import load_saved
+    from parallel_train.config.load import config_from_dict
+    from parallel_train.data.prepared import is_prepared, read_meta
+    from parallel_train.data.text import load_corpus
+    from parallel_train.data.tokenizers import load_saved
 
     cfg = config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
     loss = json.loads((run_dir / "summary.json").read_text())["final_val_loss"]

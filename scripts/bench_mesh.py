@@ -13,7 +13,7 @@ first log interval left out: summary.json for train.py, the loop's own count for
 runs each mode's bare loop and train.py back to back (a pair): the ratio template / bare is the median of the
 per-pair ratios, so a change in machine load between repeats hits both sides of a pair alike. The 1-minute
 load average is recorded per pair (it counts the benchmark's own two processes). Peak RSS is rank 0's. The bare
-loop runs with the template's one host-side setting (--keep-freed-memory, glibc keeps freed blocks: perf.py),
+loop runs with the template's one host-side setting (--keep-freed-memory, glibc keeps freed blocks: observe/perf.py),
 as benchmark.py's bare_malloc cell does: without it the two differ by the allocator, not by the framework
 (freed blocks kept resident raise the template's RSS; fewer page faults can make it faster).
 Tensor parallel: both ranks work on the same batch, so its tokens/s count one batch per step (data parallel:

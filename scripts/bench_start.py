@@ -112,8 +112,8 @@ def main() -> None:
     parser.add_argument("--update-docs", action="store_true")
     a = parser.parse_args()
     sys.path.insert(0, str(REPO / "src"))
-    from parallel_train.model_init import parameters_on_meta
     from parallel_train.models.gpt import GPT, GPTConfig
+    from parallel_train.parallel.model_init import parameters_on_meta
 
     with parameters_on_meta():
         params = sum(p.numel() for p in GPT(GPTConfig(n_layer=24, n_head=16, n_embd=1024, block_size=64), 65).parameters())

@@ -28,12 +28,12 @@ from parallel_train.errors import run_cli  # noqa: E402
 def main() -> int:
     import torch
 
-    from parallel_train.config import load_config
-    from parallel_train.data_sources import load_data
+    from parallel_train.config.load import load_config
+    from parallel_train.data.sources import load_data
     from parallel_train.losses import loss_fn
-    from parallel_train.memory_estimate import estimate
     from parallel_train.models import build_model
     from parallel_train.optim import build_optimizer
+    from parallel_train.parallel.memory_estimate import estimate
 
     cfg, _ = load_config(sys.argv[1:])
     data = load_data(cfg)

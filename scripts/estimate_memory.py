@@ -8,7 +8,7 @@ activations (with and without activation checkpointing) for the mesh the keys de
 
 Takes the same --config FILE and key=value overrides as train.py, plus the number of processes (--world) and a
 device (--device, or --device-gib N). Nothing is allocated and no process is started: the model is built on the
-meta device and cut by the same code a run uses (src/parallel_train/memory_estimate.py says how), so the
+meta device and cut by the same code a run uses (src/parallel_train/parallel/memory_estimate.py says how), so the
 parameter count per rank equals the run's `local_param_numel` in summary.json.
 """
 
@@ -30,7 +30,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    from parallel_train.memory_estimate import DEVICE_GIB
+    from parallel_train.parallel.memory_estimate import DEVICE_GIB
 
     p = Parser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--world", type=int, required=True, help="processes the run will launch (GPUs)")
@@ -46,7 +46,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def report(cfg, layout, ranks, capacity_gib: float, device: str, total_params: int) -> str:
-    from parallel_train.memory_estimate import USABLE
+    from parallel_train.parallel.memory_estimate import USABLE
 
     usable = capacity_gib * USABLE * 2**30
     p = cfg.parallel
@@ -89,10 +89,10 @@ def report(cfg, layout, ranks, capacity_gib: float, device: str, total_params: i
 
 def main() -> int:
     args, rest = parse(sys.argv[1:])
-    from parallel_train.config import load_config
-    from parallel_train.data_sources import load_data
-    from parallel_train.memory_estimate import DEVICE_GIB, as_json, estimate
+    from parallel_train.config.load import load_config
+    from parallel_train.data.sources import load_data
     from parallel_train.models import build_model
+    from parallel_train.parallel.memory_estimate import DEVICE_GIB, as_json, estimate
 
     cfg, _ = load_config(rest)
     data = load_data(cfg)  # the vocabulary size (a run reads it from the data too) and one sample's shape

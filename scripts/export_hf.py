@@ -38,17 +38,17 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def check_source(source: Path) -> None:
     """A checkpoint, verified against its manifest (each rank's part of the weights, or a whole model.safetensors
     in checkpoints of earlier versions), or a finished run (its model.safetensors)."""
-    from parallel_train import checkpoint
+    from parallel_train.checkpoint import checkpointer
 
     if not source.is_dir():
         raise UserError(f"{source}: no such folder (give a run's output_dir or a checkpoints/step_* folder)")
-    if (source / checkpoint.MANIFEST).is_file():
-        checkpoint.refuse_code(source)
-        problem = checkpoint.verify(source)
+    if (source / checkpointer.MANIFEST).is_file():
+        checkpointer.refuse_code(source)
+        problem = checkpointer.verify(source)
         if problem:
             raise UserError(f"{source}: not a valid checkpoint ({problem})")
     elif not (source / "model.safetensors").is_file():
-        newest = checkpoint.list_checkpoints(source / "checkpoints")
+        newest = checkpointer.list_checkpoints(source / "checkpoints")
         hint = f"; export a checkpoint: python scripts/export_hf.py {newest[-1]}" if newest else ""
         raise UserError(f"{source}: no model.safetensors (the run has not finished){hint}")
 
@@ -57,10 +57,10 @@ def main() -> int:
     args = parse(sys.argv[1:])
     import yaml
 
-    from parallel_train.config import config_from_dict
+    from parallel_train.checkpoint.export import load_weights
+    from parallel_train.config.load import config_from_dict
+    from parallel_train.data.tokenizers import load_saved
     from parallel_train.models.hf_export import export_pretrained
-    from parallel_train.tokenization import load_saved
-    from parallel_train.weights_export import load_weights
 
     check_source(args.source)
     config_file = args.source / "config.yaml"
@@ -71,7 +71,7 @@ def main() -> int:
         raise UserError(f"{args.source} trained model.name={cfg.model.name}; this script exports model.name=hf runs")
     tokenizer = load_saved(args.source)  # the run's (or checkpoint's) vocab.json or tokenizer.json, if any
     out = args.out or args.source / "hf"
-    # The model's tensors only, by parameter name, assembled whole from the ranks' parts (weights_export.py): no
+    # The model's tensors only, by parameter name, assembled whole from the ranks' parts (checkpoint/export.py): no
     # optimizer state is read. save_pretrained needs the whole model in memory, as the run's own export does.
     state = load_weights(args.source)
     print(export_pretrained(cfg.model, state, out, tokenizer, source=str(args.source), dtype=args.dtype))

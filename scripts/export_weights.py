@@ -8,7 +8,7 @@
 A checkpoint holds each rank's part (DDP, FSDP2, tensor parallel or pipeline; any number of processes); the export
 is one `model.safetensors`, or, past --max-shard-size, `model-00001-of-0000N.safetensors` files plus a
 `model.safetensors.index.json` weight map, as Hugging Face stores large models. One process, one whole tensor in
-memory at a time (src/parallel_train/weights_export.py). The checkpoint's manifest is verified first, and a
+memory at a time (src/parallel_train/checkpoint/export.py). The checkpoint's manifest is verified first, and a
 folder holding a pickle is refused. A finished run's own model.safetensors is this export of its last checkpoint.
 """
 
@@ -47,8 +47,8 @@ def main() -> int:
     args = p.parse_args(sys.argv[1:])
     limit = size_bytes(args.max_shard_size) if args.max_shard_size else None
 
-    from parallel_train.resume import choose_checkpoint
-    from parallel_train.weights_export import export
+    from parallel_train.checkpoint.export import export
+    from parallel_train.run.resume import choose_checkpoint
 
     if not args.checkpoint.is_dir():
         raise UserError(f"{args.checkpoint}: no such folder; give a checkpoints/step_* folder or a run's output_dir")

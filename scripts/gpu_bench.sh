@@ -11,7 +11,7 @@
 # PRECISIONS (default "bf16 no"; "no" is fp32 with TF32 matmuls), GPU_COUNTS (default "1 N", N = GPUs found),
 # MESH (default 1 with 2+ GPUs, 0 in a dry run): also the device-mesh cells (FSDP2, FSDP x TP, TP, HSDP,
 # TP x PP on N GPUs), each beside scripts/estimate_memory.py's prediction for it: $OUT/mesh.md and mesh.json.
-# MFU uses the peak of the GPU from src/parallel_train/perf.py (A100/H100/H200); set PEAK_TFLOPS for others.
+# MFU uses the peak of the GPU from src/parallel_train/observe/perf.py (A100/H100/H200); set PEAK_TFLOPS for others.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."

@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run from a clone, no install step
 
 from parallel_train.errors import UserError, run_cli  # noqa: E402
-from parallel_train.plots import PICTURE, plot_runs  # noqa: E402
+from parallel_train.observe.plots import PICTURE, plot_runs  # noqa: E402
 
 
 class Parser(argparse.ArgumentParser):

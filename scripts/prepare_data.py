@@ -9,7 +9,7 @@ Inputs: .txt/.jsonl/.json/.csv/.parquet files, globs, a folder laid out like a H
 or a Hub dataset name (online only). Tokenizers: char, byte, bpe:N (a byte-level BPE of N ids trained on the
 inputs), word (one id per whitespace-separated word of the inputs, <eos> at line ends), a tokenizer.json or a
 folder holding one, or a Hub tokenizer name (online only). A second run with
-the same inputs and options does nothing. The format: src/parallel_train/prepared_data.py; docs/data.md.
+the same inputs and options does nothing. The format: src/parallel_train/data/prepared.py; docs/data.md.
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main() -> int:
     args = parse(sys.argv[1:])
-    from parallel_train.messages import quiet_third_party
-    from parallel_train.prepare import Options, prepare
-    from parallel_train.tokenization import check_spec
+    from parallel_train.data.prepare import Options, prepare
+    from parallel_train.data.tokenizers import check_spec
+    from parallel_train.observe.messages import quiet_third_party
 
     check_spec(args.tokenizer, key="--tokenizer")
     quiet_third_party()

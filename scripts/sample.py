@@ -52,7 +52,7 @@ def main() -> int:
     args = parse(sys.argv[1:])
     import torch
 
-    from parallel_train.generation import encode_prompt, generate, load_trained
+    from parallel_train.observe.generation import encode_prompt, generate, load_trained
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     try:

@@ -28,13 +28,15 @@ from safetensors.torch import save_file  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 
-from parallel_train.checkpoint import Checkpointer, checkpoint_name, load_rank_state  # noqa: E402
-from parallel_train.checkpoint_manifest import verify  # noqa: E402
-from parallel_train.dtensor_state import is_sharded, to_full  # noqa: E402
-from parallel_train.engine import RankState  # noqa: E402
+from dtensors import is_sharded, to_full  # noqa: E402
+from parallel_train.checkpoint.checkpointer import Checkpointer, checkpoint_name, load_rank_state  # noqa: E402
+from parallel_train.checkpoint.manifest import verify  # noqa: E402
+from parallel_train.checkpoint.named_state import (
+    RankState,  # noqa: E402
+    rank_tensors,  # noqa: E402
+)
 from parallel_train.losses import loss_fn  # noqa: E402
 from parallel_train.models.gpt import GPT, Block, GPTConfig  # noqa: E402
-from parallel_train.named_state import rank_tensors  # noqa: E402
 
 VOCAB, T, B = 17, 8, 4  # B rows per rank; the reference sees both ranks' rows. 17 rows: uneven shards (9 + 8)
 # A large eps: the attention key bias gets a zero gradient (softmax ignores it), and with a tiny eps Adam would

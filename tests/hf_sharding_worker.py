@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor.parallel import parallelize_module  # noqa: E402
 
-from parallel_train.dtensor_state import is_sharded, shard_like, to_full  # noqa: E402
+from dtensors import is_sharded, shard_like, to_full  # noqa: E402
 from parallel_train.losses import loss_fn  # noqa: E402
 from parallel_train.models.hf import HFCausalLM, HFConfig  # noqa: E402
 

@@ -17,9 +17,9 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from helpers import PYTHON, TINY, check, launch_env, run, snapshot, train_cmd
-from parallel_train import checkpoint
-from parallel_train.prepare import Options, prepare
-from parallel_train.tokenization import CharVocab
+from parallel_train.checkpoint import checkpointer
+from parallel_train.data.prepare import Options, prepare
+from parallel_train.data.tokenizers import CharVocab
 
 pytestmark = pytest.mark.multiprocess
 
@@ -72,12 +72,12 @@ def env(tmp_path_factory):
     meta = json.loads((f / "prepared_ids_beyond" / "prepared.json").read_text())
     meta["tokenizer"].update(fingerprint=small.fingerprint, vocab_size=small.size)
     (f / "prepared_ids_beyond" / "prepared.json").write_text(json.dumps(meta))
-    step = checkpoint.list_checkpoints(run_dir / "checkpoints")[-1]
+    step = checkpointer.list_checkpoints(run_dir / "checkpoints")[-1]
     # A pickle in place of a rank's tensors, with the manifest rewritten to match (a careful attacker).
     replaced = f / "replaced" / step.name
     shutil.copytree(step, replaced)
     (replaced / "shards" / "rank00000-000.safetensors").write_bytes(pickle.dumps(Payload(tmp / "pwned_replaced")))
-    checkpoint.write_manifest(replaced)
+    checkpointer.write_manifest(replaced)
     # An extra pickle file next to the real ones.
     added = f / "added" / step.name
     shutil.copytree(step, added)
@@ -130,7 +130,7 @@ CASES = [
     ("data_folder_other_kind", ["data.path={files}/mixed"], "mixed/shards.bin is not a .txt/.jsonl/.json/.csv/.parquet file"),
     ("data_json_row_malformed", ["data.path={files}/bad_row.jsonl"], "bad_row.jsonl: the row on line 21 is not valid JSON"),
     ("model_cannot_take_the_data", ["model.name=mlp"], "model.name=mlp takes feature vectors, but data.path="),
-    (  # a new run: the resumed one may not change its tokenizer (resume_config.py)
+    (  # a new run: the resumed one may not change its tokenizer (run/resume_config.py)
         "tokenizer_unk_missing",
         ["data.tokenizer={files}/no_unk.json", "resume=none", "output_dir={files}/new_out"],
         "its unk token '[UNK]' is not in its vocabulary",
@@ -147,7 +147,7 @@ CASES = [
     ("resume_none_over_a_run", ["resume=none"], "already holds a run"),
     ("resume_other_model", ["model.n_embd=64"], "resume: model.n_embd (32 in the checkpoint, 64 now) cannot change"),
     ("resume_other_optimizer_setting", ["train.beta2=0.95"], "keys that may: train.max_steps, train.learning_rate"),
-    # An environment left over from another launch, with no launcher (launch_env.py): the four cases of issue 21.
+    # An environment left over from another launch, with no launcher (parallel/launch_env.py): the four cases of issue 21.
     ("leaked_rank", ["model.n_layers=2"], "the environment says RANK=1, but WORLD_SIZE is not above 1", {"RANK": "1"}),
     (
         "leaked_world_size",

@@ -19,10 +19,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from helpers import PYTHON, TINY, TORCHRUN, check, free_port, launch_env, run, summary, torchrun_cmd, train_cmd, train_losses
-from parallel_train import checkpoint, faults
-from parallel_train.checkpoint_manifest import MANIFEST, sha256
+from parallel_train import faults
+from parallel_train.checkpoint import checkpointer
+from parallel_train.checkpoint.export import index_files, load_weights, whole_tensor
+from parallel_train.checkpoint.manifest import MANIFEST, sha256
 from parallel_train.errors import UserError
-from parallel_train.weights_export import index_files, load_weights, whole_tensor
 
 pytestmark = pytest.mark.multiprocess
 
@@ -46,11 +47,10 @@ def ref1(tmp_path_factory) -> Path:
 
 def load_on_one_process(folder: Path, model: torch.nn.Module, expected_file: Path) -> torch.optim.Optimizer:
     """Load a checkpoint into a plain model and a fresh AdamW; every tensor must equal the whole state."""
-    from parallel_train.engine import RankState
-    from parallel_train.named_state import rank_tensors
+    from parallel_train.checkpoint.named_state import RankState, rank_tensors
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    checkpoint.load_rank_state(folder, RankState(model.state_dict(), model, optimizer))
+    checkpointer.load_rank_state(folder, RankState(model.state_dict(), model, optimizer))
     loaded, _ = rank_tensors(RankState(model.state_dict(), model, optimizer))
     expected = load_file(str(expected_file))
     assert sorted(loaded) == sorted(expected)
@@ -70,9 +70,9 @@ def test_fsdp2_and_tensor_parallel_checkpoints_written_by_each_rank_load_on_one_
     cmd = [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()), "tests/fsdp_worker.py", str(out)]
     result = check(run(cmd, env=launch_env(tmp_path), timeout=300))
     assert "fsdp rank 0/2 ok" in result.stdout and "tensor parallel rank 1/2 ok" in result.stdout
-    optimizer = load_on_one_process(out / "sync" / checkpoint.checkpoint_name(2), build(seed=3), out / "expected.safetensors")
+    optimizer = load_on_one_process(out / "sync" / checkpointer.checkpoint_name(2), build(seed=3), out / "expected.safetensors")
     assert optimizer.param_groups[0]["lr"] == ADAM["lr"]
-    load_on_one_process(out / "tp" / checkpoint.checkpoint_name(1), tensor_parallel_mlp(), out / "tp_expected.safetensors")
+    load_on_one_process(out / "tp" / checkpointer.checkpoint_name(1), tensor_parallel_mlp(), out / "tp_expected.safetensors")
 
 
 def test_ddp_background_saves_resume_as_a_two_stage_pipeline(tmp_path):
@@ -108,7 +108,7 @@ def test_kill_during_a_background_write_leaves_the_previous_checkpoint(ref1, tmp
     assert killed.returncode == -signal.SIGKILL and "SIGKILL while saving checkpoint 6 (in the background)" in killed.output
     root = out / "checkpoints"
     assert list((root / ".tmp-step_0000006" / "shards").glob("*.safetensors")) and not (root / ".tmp-step_0000006" / MANIFEST).exists()
-    assert [p.name for p in checkpoint.list_checkpoints(root)] == ["step_0000003"]
+    assert [p.name for p in checkpointer.list_checkpoints(root)] == ["step_0000003"]
     resumed = check(run(train_cmd(*BASE, "checkpoint.async=true", f"output_dir={out}"), env=launch_env(tmp_path)))
     assert "resumed from" in resumed.output and "step_0000003" in resumed.output
     assert same_bytes(out, ref1)  # background saves hold exactly what synchronous ones do
@@ -120,8 +120,7 @@ def test_kill_during_a_background_write_leaves_the_previous_checkpoint(ref1, tmp
 
 def to_earlier_format(folder: Path) -> None:
     """Rewrite a checkpoint the way this template wrote them before sharded saves: whole model.safetensors,
-    optimizer.safetensors keyed `name/state`, a manifest without ranks. (Checked once by hand against a checkpoint
-    written by that code: it resumes bit-identically too.)"""
+    optimizer.safetensors keyed `name/state`, a manifest without ranks."""
     shards = sorted((folder / "shards").glob("*.safetensors"))
     save_file(load_weights(folder), str(folder / "model.safetensors"))
     save_file({k: whole_tensor(e) for k, e in index_files(shards, prefix="optimizer/").items()}, str(folder / "optimizer.safetensors"))
@@ -130,13 +129,17 @@ def to_earlier_format(folder: Path) -> None:
     (folder / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
 
 
-def test_a_checkpoint_of_the_earlier_format_resumes_exactly(ref1, tmp_path):
-    out = tmp_path / "run"
-    shutil.copytree(ref1 / "checkpoints" / "step_0000003", out / "checkpoints" / "step_0000003")
-    to_earlier_format(out / "checkpoints" / "step_0000003")
-    resumed = check(run(train_cmd(*BASE, f"output_dir={out}"), env=launch_env(tmp_path)))
-    assert "resumed from" in resumed.output and "step_0000003" in resumed.output
-    assert same_bytes(out, ref1)
+def test_a_checkpoint_of_the_earlier_format_is_refused_in_one_line(ref1, tmp_path):
+    """Loading the format before sharded saves was dropped (docs/reliability.md): one line says so, nothing changes."""
+    step3 = tmp_path / "run" / "checkpoints" / "step_0000003"
+    shutil.copytree(ref1 / "checkpoints" / "step_0000003", step3)
+    to_earlier_format(step3)
+    r = run(train_cmd(*BASE, f"resume={step3}", f"output_dir={tmp_path / 'new'}"), env=launch_env(tmp_path))
+    assert r.returncode == 2 and "Traceback" not in r.output, r.output[-2000:]
+    assert [line for line in r.stderr.splitlines() if line.startswith("error:")] == [
+        f"error: resume: {step3} was written by an earlier version of this template (one whole model.safetensors, no shards/), "
+        "which this version no longer reads; continue it with the version that wrote it"
+    ]
 
 
 # ---------------------------------------------------------------- export

@@ -8,7 +8,8 @@ import pytest
 import yaml
 
 from helpers import PYTHON, run
-from parallel_train.config import Config, UniqueKeyLoader, config_from_dict, load_config, sections
+from parallel_train.config.load import UniqueKeyLoader, config_from_dict, load_config, sections
+from parallel_train.config.sections import Config
 from parallel_train.errors import UserError
 from parallel_train.models import MODELS
 

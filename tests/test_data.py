@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from parallel_train.batch_sampler import GlobalBatchSampler
-from parallel_train.config import Config
-from parallel_train.data import build_datasets, load_corpus, val_loader
+from parallel_train.config.sections import Config
+from parallel_train.data.batch_sampler import GlobalBatchSampler
+from parallel_train.data.text import build_datasets, load_corpus, val_loader
+from parallel_train.data.tokenizers import CharVocab
 from parallel_train.errors import UserError
-from parallel_train.tokenization import CharVocab
 
 
 def small_cfg(path, **train) -> Config:

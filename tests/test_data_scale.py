@@ -29,8 +29,8 @@ from helpers import (
     train_cmd,
     train_losses,
 )
-from parallel_train.prepare import Options, prepare
-from parallel_train.streaming_data import position_for, positions_by_dp_rank
+from parallel_train.data.prepare import Options, prepare
+from parallel_train.data.streaming import position_for, positions_by_dp_rank
 
 pytestmark = pytest.mark.multiprocess
 
@@ -200,9 +200,9 @@ def test_word_tokenizer_prepares_trains_resumes_and_samples(data, tmp_path):
     """data.tokenizer=word through every step that saves or reloads a tokenizer: prepare_data writes tokenizer.json
     (the one the in-memory path builds from the same text), a run killed with SIGKILL resumes with its checkpoint's
     tokenizer, and sample.py encodes and decodes with the run's."""
-    from parallel_train.config import Config
-    from parallel_train.data import build_datasets
-    from parallel_train.tokenization import load_saved
+    from parallel_train.config.sections import Config
+    from parallel_train.data.text import build_datasets
+    from parallel_train.data.tokenizers import load_saved
 
     text = (data / "play.txt").read_text()
     meta = prepare(Options([str(data / "play.txt")], tmp_path / "words", "word", num_proc=1), print_fn=lambda m: None)

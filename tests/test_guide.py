@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from helpers import ACCELERATE, PYTHON, REPO, TINY, TORCHRUN, check, doc_section, free_port, launch_env, read_metrics, run
-from parallel_train.tokenization import load_saved, load_tokenizer
+from parallel_train.data.tokenizers import load_saved, load_tokenizer
 
 pytestmark = pytest.mark.multiprocess
 
@@ -184,9 +184,9 @@ def test_customize_guide_as_written_trains_on_two_processes(tmp_path):
                     ran[line] = result
                     assert "Traceback" not in result.output, (heading, line, result.output[-3000:])
     assert skipped == 5 and len(ran) == 10, list(ran)  # the Hub dataset of 2b; section 4's install and fine-tunes
-    assert changed.count("src/parallel_train/data_sources.py") == 2 and "src/parallel_train/losses.py" in changed
+    assert changed.count("src/parallel_train/data/sources.py") == 2 and "src/parallel_train/losses.py" in changed
     assert "src/parallel_train/eval_metrics.py" in changed
-    assert not any(path.endswith("config.py") for path in changed)  # a model owns its keys: config.py never changes
+    assert not any(path.endswith("config/load.py") for path in changed)  # a model owns its keys: config/load.py never changes
 
     # What each run shows a user: their model and data trained, on 2 processes, and text came out.
     runs = root / "runs"

@@ -19,14 +19,14 @@ from safetensors.torch import load_file
 import hf_tiny
 from helpers import PYTHON, TORCHRUN, check, free_port, launch_env, run, summary, torchrun_cmd, train_cmd, train_losses
 from parallel_train import faults
+from parallel_train.checkpoint.export import load_weights
 from parallel_train.errors import UserError
-from parallel_train.generation import encode_prompt, generate, load_trained
 from parallel_train.models import hf_layouts
 from parallel_train.models.hf import HFCausalLM, HFConfig
-from parallel_train.pipeline.split import model_units, plan_stages, stage_module
-from parallel_train.sharding import fsdp_units
-from parallel_train.ties import find_ties
-from parallel_train.weights_export import load_weights
+from parallel_train.models.ties import find_ties
+from parallel_train.observe.generation import encode_prompt, generate, load_trained
+from parallel_train.parallel.parts import fsdp_units, model_units
+from parallel_train.parallel.pipeline.split import plan_stages, stage_module
 
 transformers = pytest.importorskip("transformers")
 
@@ -132,10 +132,9 @@ def test_pipeline_stages_in_sequence_equal_the_whole_model(folders, name, n_stag
 
 
 def test_tied_embeddings_are_stored_once_and_split_like_untied_ones(folders):
-    """The generic tie (ties.py): one weight under two names, stored once under the first; the splitter puts the
-    embedding in the first stage and lm_head in the last (pipeline/tied.py keeps their copies equal)."""
-    from parallel_train.engine import RankState
-    from parallel_train.named_state import rank_tensors
+    """The generic tie (models/ties.py): one weight under two names, stored once under the first; the splitter puts the
+    embedding in the first stage and lm_head in the last (parallel/pipeline/tied.py keeps their copies equal)."""
+    from parallel_train.checkpoint.named_state import RankState, rank_tensors
 
     gpt2 = adapter(folders["gpt2"])
     assert gpt2.tied == find_ties(gpt2) == {"lm_head.weight": "transformer.wte.weight"}
@@ -203,8 +202,8 @@ def test_activation_checkpointing_recomputes_each_layer_in_backward(folders):
 def test_export_loads_in_transformers_with_equal_logits(folders, tmp_path):
     """The export (what a run writes to output_dir/hf) loads with from_pretrained; the logits equal the trained
     model's; the byte tokenizer loads with AutoTokenizer and gives one id per byte."""
+    from parallel_train.data.tokenizers import ByteVocab
     from parallel_train.models.hf_export import export_pretrained
-    from parallel_train.tokenization import ByteVocab
 
     for name, keys in [("llama", {}), ("gpt2", {}), ("gpt2", {"untie_embeddings": True})]:
         model = adapter(folders[name], **keys)
@@ -266,7 +265,7 @@ def test_bad_model_folders_are_one_line_errors(folders, tmp_path, monkeypatch):
 
 def test_without_transformers_the_template_runs_and_hf_names_the_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now fails, as if not installed
-    from parallel_train.config import load_config
+    from parallel_train.config.load import load_config
 
     cfg, _ = load_config(["model.name=hf", "model.hf_path=anything"])
     with pytest.raises(UserError, match=r"^model.name=hf needs the transformers package: pip install -r requirements-hf.txt$"):
@@ -446,7 +445,7 @@ def test_gpt2_untied_in_two_stages_of_one_process_equals_the_unsplit_model(folde
 @pytest.mark.multiprocess
 def test_gpt2_tied_trains_under_ddp_and_as_a_two_stage_pipeline_alike(folders, tmp_path):
     """Tied GPT-2 under DDP (one tensor) and in 2 pipeline stages on 2 processes (a copy each, gradients summed:
-    pipeline/tied.py): the same 4 samples per step, the same losses; both exports tied."""
+    parallel/pipeline/tied.py): the same 4 samples per step, the same losses; both exports tied."""
     gpt2 = (*RUN, f"model.hf_path={folders['gpt2']}")
     out, pp = tmp_path / "ddp", tmp_path / "pp"
     check(run(torchrun_cmd(2, *gpt2, "train.batch_size=2", f"output_dir={out}"), env=launch_env(tmp_path)))
@@ -468,7 +467,7 @@ def test_the_guide_commands_are_valid_configs():
     import shlex
 
     from helpers import doc_section
-    from parallel_train.config import load_config
+    from parallel_train.config.load import load_config
 
     commands = [
         line for line in doc_section("guide", "4. Fine-tune a model from the Hub").splitlines() if "model.name=hf model.hf_path=" in line

@@ -12,21 +12,21 @@ way (tensor parallel -> FSDP x TP); the estimator's parameter count per rank equ
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from helpers import PYTHON, TINY, accelerate_cmd, check, launch_env, run, summary, torchrun_cmd, train_cmd, train_losses
-from parallel_train.config import Config, load_config
+from parallel_train.config.load import load_config
+from parallel_train.config.sections import Config
 from parallel_train.errors import UserError
-from parallel_train.mesh import MeshLayout, resolve_layout
 from parallel_train.models import build_model
 from parallel_train.models.gpt import GPT, GPTConfig
 from parallel_train.models.mlp import MLPConfig
-from parallel_train.sharding import tensor_parallel_plan
+from parallel_train.parallel.mesh import MeshLayout, resolve_layout
+from parallel_train.parallel.sharding import tensor_parallel_plan
 
 # Global batch 8: batch 4 x 2 micro-steps per data-parallel rank, or batch 2 x 2 micro-steps on 2 of them.
 # Padded samples (each keeps a different number of targets, the rest -100): the loss is per valid token of the whole
@@ -167,8 +167,8 @@ def test_zero_bubble_zbv_equals_one_process(launched):
 def test_estimator_counts_what_each_run_holds(launched):
     """scripts/estimate_memory.py's parameters per rank (meta model, fake process group, the same parallelize())
     equal local_param_numel of the real runs, for every layout launched above."""
-    from parallel_train.data_sources import load_data
-    from parallel_train.memory_estimate import estimate
+    from parallel_train.data.sources import load_data
+    from parallel_train.parallel.memory_estimate import estimate
 
     for name in ("tp2", "fsdp2", "fsdp2_tp2", "tp2_pp2", "zbv"):
         out, _ = launched(name)
@@ -257,93 +257,12 @@ def test_bad_mesh_launches_are_one_line_errors(tmp_path, nproc, overrides, messa
     assert not (tmp_path / "bad" / "config.yaml").exists()
 
 
-# ---------------------------------------------------------------- checkpoints from before the q/k/v split
-
-
-def fuse_qkv(tensors: dict) -> dict:
-    """`attn.q`, `attn.k`, `attn.v` keys (and their optimizer entries) as one `attn.qkv`, as before the split."""
-    out = {}
-    for key, value in tensors.items():
-        if ".attn.q." in key:
-            parts = [tensors[key.replace(".attn.q.", f".attn.{n}.")] for n in "qkv"]
-            out[key.replace(".attn.q.", ".attn.qkv.")] = torch.cat(parts) if value.dim() else value
-        elif ".attn.k." not in key and ".attn.v." not in key:
-            out[key] = value
-    return out
-
-
-def fuse_meta(meta: dict) -> dict:
-    for group in meta["param_groups"]:
-        group["params"] = [n.replace(".attn.q.", ".attn.qkv.") for n in group["params"] if ".attn.k." not in n and ".attn.v." not in n]
-    return meta
-
-
-def to_fused_qkv(folder: Path) -> None:
-    """Rewrite a checkpoint the way the template wrote it before GPT's q, k, v were separate: whole tensors
-    (the format before sharded saves, tests/test_checkpoints.py) with one `attn.qkv`."""
-    from parallel_train.checkpoint_manifest import MANIFEST, sha256
-    from test_checkpoints import to_earlier_format
-
-    to_earlier_format(folder)
-    for name in ("model.safetensors", "optimizer.safetensors"):
-        save_file(fuse_qkv(load_file(str(folder / name))), str(folder / name))
-    (folder / "optimizer.json").write_text(json.dumps(fuse_meta(json.loads((folder / "optimizer.json").read_text()))))
-    files = {p.name: {"size": p.stat().st_size, "sha256": sha256(p)} for p in sorted(folder.iterdir()) if p.name != MANIFEST}
-    (folder / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
-
-
-def test_an_old_fused_qkv_checkpoint_resumes_exactly(launched, tmp_path):
-    """A checkpoint with one `blocks.N.attn.qkv` (as written before the split) continues bit-identically."""
-    ref = launched("ref")[0]
-    step3 = tmp_path / "step_0000003"
-    shutil.copytree(ref / "checkpoints" / "step_0000003", step3)
-    to_fused_qkv(step3)
-    assert "blocks.0.attn.qkv.weight" in load_file(str(step3 / "model.safetensors"))
-    out = tmp_path / "old"
-    check(run(train_cmd(*SGD, f"resume={step3}", f"output_dir={out}"), env=launch_env(tmp_path)))
-    assert {s: v for s, v in train_losses(ref).items() if s > 3} == train_losses(out)
-    a, b = load_file(str(ref / "model.safetensors")), load_file(str(out / "model.safetensors"))
-    assert all(torch.equal(a[k], b[k]) for k in a)
-
-
-def test_old_fused_qkv_optimizer_state_is_cut_by_name(tmp_path):
-    """AdamW's moments and step of a fused `attn.qkv` in a checkpoint of the earlier format land on q, k, v
-    (checkpoint.load_rank_state, through GPT.upgrade_state_dict)."""
-    from parallel_train import checkpoint
-    from parallel_train.engine import RankState
-    from parallel_train.named_state import MODEL, OPTIMIZER, rank_tensors
-
-    torch.manual_seed(0)
-    model = build_model(GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=4), 11)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    model(torch.randint(0, 11, (2, 4))).sum().backward()
-    opt.step()
-    tensors, meta = rank_tensors(RankState(model.state_dict(), model, opt))
-    for prefix, name in ((MODEL, "model.safetensors"), (OPTIMIZER, "optimizer.safetensors")):
-        part = {k[len(prefix) :]: v.contiguous() for k, v in tensors.items() if k.startswith(prefix)}
-        save_file(fuse_qkv(part), str(tmp_path / name))
-    assert "blocks.0.attn.qkv.weight/exp_avg" in load_file(str(tmp_path / "optimizer.safetensors"))
-    (tmp_path / "optimizer.json").write_text(json.dumps(fuse_meta(meta)))
-    torch.manual_seed(1)
-    fresh_model = build_model(GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=4), 11)
-    fresh = torch.optim.AdamW(fresh_model.parameters(), lr=0.1)
-    checkpoint.load_rank_state(tmp_path, RankState(fresh_model.state_dict(), fresh_model, fresh))
-    named = dict(fresh_model.named_parameters())
-    for name, q in model.named_parameters():
-        assert torch.equal(named[name], q), name
-        for k, v in opt.state[q].items():
-            assert torch.equal(fresh.state[named[name]][k], v), (name, k)
-
-
-# ---------------------------------------------------------------- the model: q, k, v and its tensor-parallel plan
-
-
 def test_first_weights_are_keyed_by_module_name_whatever_holds_them():
-    """model_init.py: built on the meta device, each module is initialised under a seed keyed by its name, so
+    """parallel/model_init.py: built on the meta device, each module is initialised under a seed keyed by its name, so
     the whole model and its pipeline stages filled one by one get the same numbers, no rank ever needing the whole
     model; the run's own random stream is untouched. Old fused-qkv checkpoints still convert."""
-    from parallel_train.model_init import start_model
-    from parallel_train.pipeline.split import stage_module
+    from parallel_train.parallel.model_init import start_model
+    from parallel_train.parallel.pipeline.split import stage_module
 
     cfg = GPTConfig(n_layer=2, n_head=2, n_embd=24, block_size=16)
     whole, init = start_model(GPT, cfg, 65, seed=1337)
@@ -357,10 +276,6 @@ def test_first_weights_are_keyed_by_module_name_whatever_holds_them():
     expected = whole.state_dict()
     assert all(torch.equal(v, expected[k]) for k, v in split.state_dict().items())
     assert expected["blocks.0.attn.proj.weight"].std() < 0.6 * expected["blocks.0.attn.q.weight"].std()  # scaled by depth
-    attn = whole.blocks["1"].attn
-    fused = torch.cat([attn.q.weight, attn.k.weight, attn.v.weight]).detach()
-    old = GPT.upgrade_state_dict({"blocks.1.attn.qkv.weight": fused, "blocks.1.attn.qkv.weight/step": torch.tensor(3.0)})
-    assert torch.equal(old["blocks.1.attn.k.weight"], attn.k.weight) and old["blocks.1.attn.v.weight/step"].item() == 3.0
 
 
 def test_tensor_parallel_plan_errors_are_one_line():

@@ -14,12 +14,14 @@ import pytest
 import torch
 
 from helpers import PYTHON, REPO, TINY, check, launch_env, read_metrics, run, summary, train_cmd
-from parallel_train.config import Config, load_config
-from parallel_train.data import build_datasets
+from parallel_train.config.load import load_config
+from parallel_train.config.sections import Config
+from parallel_train.data.sources import check_source
+from parallel_train.data.text import build_datasets
+from parallel_train.data.tokenizers import ByteVocab, CharVocab, load_vocab
 from parallel_train.errors import UserError
 from parallel_train.models.gpt import GPT
-from parallel_train.perf import mfu, peak_flops, process_age_s
-from parallel_train.tokenization import ByteVocab, CharVocab, load_vocab
+from parallel_train.observe.perf import mfu, peak_flops, process_age_s
 
 IMPORTED = time.monotonic()  # this process has lived at least this long when a test runs
 
@@ -46,7 +48,7 @@ def test_speed_config_keys_parse_and_validate():
         ("train.compile=maybe", "train.compile"),
     ):
         with pytest.raises(UserError, match=key):
-            load_config([bad])
+            check_source(load_config([bad])[0])  # what train.py checks before it starts (cli.py)
     for name in ("configs/gpt2_124m.yaml", "configs/shakespeare_char_cpu.yaml"):
         load_config(["--config", str(REPO / name)])  # both shipped configs validate
 

@@ -1,7 +1,7 @@
 """Pipeline parallelism: the splitter, the timeline, and real runs of both executors against the unsplit model.
 
 The equivalence runs share one reference: the unsplit model, 1 process, batch 4 x 2 accumulation steps
-(global batch 8). Every pipeline run sees the same 8 samples per step (data.py), so its per-step losses
+(global batch 8). Every pipeline run sees the same 8 samples per step (data/text.py), so its per-step losses
 and final weights must match the reference to float tolerance: the in-process executor (gpipe), the
 multi-process executor with each schedule, and DP x PP (2 processes x 2 in-process stages, batch 4 each).
 Checkpoints cross topologies on the way: a plain checkpoint resumes a pipeline run and vice versa.
@@ -16,16 +16,17 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import TINY, check, launch_env, run, summary, torchrun_cmd, train_cmd, train_losses
-from parallel_train.config import Config
+from parallel_train.checkpoint.export import index_files, whole_tensor
+from parallel_train.config.sections import Config
 from parallel_train.errors import UserError
 from parallel_train.models import build_model
 from parallel_train.models.gpt import GPTConfig
 from parallel_train.models.mlp import MLPConfig
-from parallel_train.pipeline.distributed import check_layout
-from parallel_train.pipeline.inprocess import resolve_devices
-from parallel_train.pipeline.split import balance, describe_stages, model_units, plan_stages, stage_module
-from parallel_train.pipeline.timeline import bubble_fraction, draw, ideal_bubble
-from parallel_train.weights_export import index_files, whole_tensor
+from parallel_train.parallel.parts import model_units
+from parallel_train.parallel.pipeline.distributed import check_layout
+from parallel_train.parallel.pipeline.inprocess import resolve_devices
+from parallel_train.parallel.pipeline.split import balance, describe_stages, plan_stages, stage_module
+from parallel_train.parallel.pipeline.timeline import bubble_fraction, draw, ideal_bubble
 
 # dropout 0 (the default); batch 4 x 2 accumulation steps = global batch 8.
 # SGD shows any error in gradient scaling (Adam would hide a constant factor), and with lr 1 the gradient
@@ -66,9 +67,9 @@ def test_time_split_balances_measured_time_not_parameters():
     on fixed times in the measured proportions (the head costs more than the four blocks together, the embedding
     little), the measurement for its shape only: a ratio of measured times depends on the machine and its load, so
     it is measured, not asserted (docs/pipelines.md, "Parameters are a poor guide": the head 80% of the time)."""
-    from parallel_train.model_init import start_model
     from parallel_train.models.gpt import GPT
-    from parallel_train.pipeline.cost import unit_times
+    from parallel_train.parallel.model_init import start_model
+    from parallel_train.parallel.pipeline.cost import unit_times
 
     model, init = start_model(GPT, GPTConfig(n_layer=4, n_head=2, n_embd=32, block_size=16), 50_000, seed=0)  # on meta
     units = list(model_units(model))
@@ -343,7 +344,7 @@ def test_pipelines_train_in_bf16(reference):
 
 def test_stage_input_gradients_are_made_contiguous_for_sending():
     """A stage whose input gradient comes out transposed (e.g. a batch-first nn.GRU) must still send it."""
-    from parallel_train.pipeline.distributed import _contiguous_input_grads
+    from parallel_train.parallel.pipeline.distributed import _contiguous_input_grads
 
     class Transposing(torch.nn.Module):
         def forward(self, x):

@@ -14,15 +14,15 @@ import pytest
 import torch
 
 from helpers import REPO, launch_env, run
-from parallel_train import data_inputs
-from parallel_train.batch_sampler import GlobalBatchSampler
-from parallel_train.config import Config
-from parallel_train.data_sources import load_data
+from parallel_train.config.sections import Config
+from parallel_train.data import inputs
+from parallel_train.data.batch_sampler import GlobalBatchSampler
+from parallel_train.data.permutation import SeededPermutation
+from parallel_train.data.prepare import Options, prepare
+from parallel_train.data.prepared import META, PreparedWindows, TokenShards, read_meta
+from parallel_train.data.sources import load_data
+from parallel_train.data.tokenizers import CharVocab, load_tokenizer
 from parallel_train.errors import UserError
-from parallel_train.permutation import SeededPermutation
-from parallel_train.prepare import Options, prepare
-from parallel_train.prepared_data import META, PreparedWindows, TokenShards, read_meta
-from parallel_train.tokenization import CharVocab, load_tokenizer
 
 datasets.disable_progress_bars()
 SHAKESPEARE = (REPO / "data" / "tinyshakespeare.txt").read_text()[:60_000]
@@ -102,12 +102,12 @@ def test_a_file_without_line_breaks_is_read_in_bounded_pieces_with_the_same_ids(
     """A line longer than PIECE_CHARS is cut into rows of at most that many characters (memory flat in line length):
     char and byte ids are exactly those of the whole text, even where a stretch without a space is cut at the limit;
     a BPE's too where every cut falls before a space (docs/data.md says what a cut elsewhere does)."""
-    monkeypatch.setattr(data_inputs, "PIECE_CHARS", 64)
+    monkeypatch.setattr(inputs, "PIECE_CHARS", 64)
     text = SHAKESPEARE[:20_000].replace("\n", " ") + "\u00e9\u00e8 " * 40  # multi-byte characters too
     if tokenizer != "bpe:300":
         text += "x" * 200  # no space: cut at the limit
     (tmp_path / "one_line.txt").write_text(text)
-    rows = data_inputs.load_source(data_inputs.resolve_inputs([str(tmp_path / "one_line.txt")])[0], "text", tmp_path / "cache")["text"]
+    rows = inputs.load_source(inputs.resolve_inputs([str(tmp_path / "one_line.txt")])[0], "text", tmp_path / "cache")["text"]
     assert "".join(rows) == text and max(map(len, rows)) <= 64 and len(rows) > len(text) / 64
     assert sum(len(r) <= 32 for r in rows) <= 1  # cut in the second half of a piece (only the last may be shorter)
     meta = prep(tmp_path / "out", [tmp_path / "one_line.txt"], tokenizer=tokenizer, val_fraction=0.5)

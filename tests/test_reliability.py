@@ -19,9 +19,10 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import REPO, TINY, check, launch_env, read_metrics, run, torchrun_cmd, train_cmd, train_losses
-from parallel_train import checkpoint, faults
+from parallel_train import faults
+from parallel_train.checkpoint import checkpointer
+from parallel_train.checkpoint.export import load_weights
 from parallel_train.errors import collective_failure_message
-from parallel_train.weights_export import load_weights
 
 pytestmark = pytest.mark.multiprocess
 
@@ -67,7 +68,7 @@ def test_sigkill_between_checkpoints_then_resume_is_bit_identical(ref1, tmp_path
     out = tmp_path / "run"
     killed = run(train_cmd(*BASE, f"output_dir={out}"), env=fault_env(tmp_path, "kill@4"))
     assert killed.returncode == -signal.SIGKILL, killed.output[-2000:]
-    assert [p.name for p in checkpoint.list_checkpoints(out / "checkpoints")] == ["step_0000003"]
+    assert [p.name for p in checkpointer.list_checkpoints(out / "checkpoints")] == ["step_0000003"]
     resumed = check(run(train_cmd(*BASE, f"output_dir={out}"), env=fault_env(tmp_path)))
     assert "resumed from" in resumed.output and "step_0000003" in resumed.output
     assert same_bytes(out, ref1[0])
@@ -80,8 +81,8 @@ def test_kill_during_save_leaves_previous_checkpoint_valid(ref1, tmp_path):
     assert killed.returncode == -signal.SIGKILL
     root = out / "checkpoints"
     assert list((root / ".tmp-step_0000006" / "shards").glob("rank*.safetensors"))  # written, never sealed nor renamed
-    assert [p.name for p in checkpoint.list_checkpoints(root)] == ["step_0000003"]
-    assert checkpoint.verify(root / "step_0000003") is None
+    assert [p.name for p in checkpointer.list_checkpoints(root)] == ["step_0000003"]
+    assert checkpointer.verify(root / "step_0000003") is None
     assert not (out / "model.safetensors").exists()
     check(run(train_cmd(*BASE, f"output_dir={out}"), env=fault_env(tmp_path)))
     assert same_bytes(out, ref1[0])
@@ -176,7 +177,7 @@ def test_sigusr1_checkpoints_exits_cleanly_and_resume_is_bit_identical(ref1, tmp
     out = tmp_path / "run"
     stopped = check(run(train_cmd(*BASE, f"output_dir={out}"), env=fault_env(tmp_path, "sigusr1@4")))
     assert "SIGUSR1: stopped at step 4 of 6" in stopped.output and "resume=auto" in stopped.output
-    assert checkpoint.verify(out / "checkpoints" / "step_0000004") is None
+    assert checkpointer.verify(out / "checkpoints" / "step_0000004") is None
     assert not (out / "model.safetensors").exists()
     check(run(train_cmd(*BASE, f"output_dir={out}"), env=fault_env(tmp_path)))
     assert same_bytes(out, ref1[0])
@@ -187,7 +188,7 @@ def test_sigint_checkpoints_and_exits_cleanly(tmp_path):
     out = tmp_path / "run"
     stopped = check(run(train_cmd(*BASE, f"output_dir={out}"), env=fault_env(tmp_path, "sigint@2")))
     assert "SIGINT: stopped at step 2 of 6" in stopped.output and "Traceback" not in stopped.output
-    assert checkpoint.verify(out / "checkpoints" / "step_0000002") is None
+    assert checkpointer.verify(out / "checkpoints" / "step_0000002") is None
 
 
 def test_signal_on_one_rank_stops_all_ranks_at_the_same_step(tmp_path):
@@ -195,7 +196,7 @@ def test_signal_on_one_rank_stops_all_ranks_at_the_same_step(tmp_path):
     result = check(run(torchrun_cmd(2, *BASE, f"output_dir={out}"), env=fault_env(tmp_path, "sigterm@4:rank=1")))
     assert "stopped at step 4 of 6" in result.output
     saved = out / "checkpoints" / "step_0000004"
-    assert checkpoint.verify(saved) is None
+    assert checkpointer.verify(saved) is None
     assert (saved / "rng_rank0.safetensors").exists() and (saved / "rng_rank1.safetensors").exists()
     assert json.loads((saved / "trainer_state.json").read_text())["step"] == 4
 
@@ -226,7 +227,7 @@ def test_sigterm_to_torchrun_checkpoints_on_all_ranks(tmp_path):
     match = re.search(r"SIGTERM: stopped at step (\d+) of 5000 and saved (\S+)\.", output)
     assert match, output[-3000:]
     saved = Path(match.group(2))
-    assert saved.name == checkpoint.checkpoint_name(int(match.group(1))) and checkpoint.verify(saved) is None
+    assert saved.name == checkpointer.checkpoint_name(int(match.group(1))) and checkpointer.verify(saved) is None
     assert (saved / "rng_rank0.safetensors").exists() and (saved / "rng_rank1.safetensors").exists()
     assert "Traceback" not in "".join(line for line in lines if "[rank" in line)  # workers: no tracebacks
 
@@ -239,7 +240,7 @@ def test_corrupt_checkpoints_are_skipped_and_the_resumed_one_goes_once_a_newer_o
     args = (*BASE, "checkpoint.interval=2", "eval.interval=2", f"output_dir={out}")
     check(run(train_cmd(*args, "checkpoint.keep=3"), env=fault_env(tmp_path)))
     root = out / "checkpoints"
-    assert [p.name for p in checkpoint.list_checkpoints(root)] == ["step_0000002", "step_0000004", "step_0000006"]
+    assert [p.name for p in checkpointer.list_checkpoints(root)] == ["step_0000002", "step_0000004", "step_0000006"]
     with open(root / "step_0000006" / "shards" / "rank00000-000.safetensors", "r+b") as f:
         f.truncate(100)  # a truncated file
     (root / "step_0000004" / "rng_rank0.safetensors").unlink()  # a missing file
@@ -252,12 +253,12 @@ def test_corrupt_checkpoints_are_skipped_and_the_resumed_one_goes_once_a_newer_o
     assert "step_0000002 at step 2" in result.output
     # keep=1 keeps the newest: the resumed-from step_2 went once step_4 had verified; the damaged step_6 stayed until
     # this run wrote its own step_6 over it. The best (lowest val loss) is step_6 here.
-    assert [p.name for p in checkpoint.list_checkpoints(root)] == ["step_0000006"]
+    assert [p.name for p in checkpointer.list_checkpoints(root)] == ["step_0000006"]
     assert same_bytes(out, ref1[0])  # checkpoint interval and corruption change nothing in the training
 
 
 def _fake_checkpoint(root: Path, step: int, val_loss: float | None, evaluated_here: bool = True) -> None:
-    folder = root / checkpoint.checkpoint_name(step)
+    folder = root / checkpointer.checkpoint_name(step)
     folder.mkdir(parents=True)
     state = {"step": step, "final_val_loss": val_loss, "final_val_step": step if evaluated_here else step - 1}
     (folder / "trainer_state.json").write_text(json.dumps(state))
@@ -268,12 +269,12 @@ def test_prune_keeps_newest_best_and_resumed(tmp_path):
     for step, loss, here in [(1, 3.0, True), (2, 1.5, True), (3, 1.0, False), (4, 2.0, True), (5, 2.5, True), (6, 2.2, True)]:
         _fake_checkpoint(root, step, loss, here)
     (root / ".tmp-step_0000007").mkdir()
-    checkpoint.prune(root, keep=2, protect=root / "step_0000001", keep_best=True)
+    checkpointer.prune(root, keep=2, protect=root / "step_0000001", keep_best=True)
     # newest 2 (5, 6) + best evaluated at its own step (2; step 3's 1.0 is an older eval) + resumed-from (1)
-    assert [p.name for p in checkpoint.list_checkpoints(root)] == ["step_0000001", "step_0000002", "step_0000005", "step_0000006"]
+    assert [p.name for p in checkpointer.list_checkpoints(root)] == ["step_0000001", "step_0000002", "step_0000005", "step_0000006"]
     assert not list(root.glob(".tmp-*"))
-    checkpoint.prune(root, keep=1)
-    assert [p.name for p in checkpoint.list_checkpoints(root)] == ["step_0000006"]
+    checkpointer.prune(root, keep=1)
+    assert [p.name for p in checkpointer.list_checkpoints(root)] == ["step_0000006"]
 
 
 def test_prune_goes_by_step_number_up_to_the_step_just_written(tmp_path):
@@ -282,11 +283,11 @@ def test_prune_goes_by_step_number_up_to_the_step_just_written(tmp_path):
     root = tmp_path / "checkpoints"
     for step in (3, 5, 9, 9_999_999, 10_000_000):
         _fake_checkpoint(root, step, None)
-    assert [checkpoint.checkpoint_step(p) for p in checkpoint.list_checkpoints(root)] == [3, 5, 9, 9_999_999, 10_000_000]
-    checkpoint.prune(root, keep=1, upto=5)
-    assert [checkpoint.checkpoint_step(p) for p in checkpoint.list_checkpoints(root)] == [5, 9, 9_999_999, 10_000_000]
-    checkpoint.prune(root, keep=1, upto=10_000_000)
-    assert [p.name for p in checkpoint.list_checkpoints(root)] == ["step_10000000"]
+    assert [checkpointer.checkpoint_step(p) for p in checkpointer.list_checkpoints(root)] == [3, 5, 9, 9_999_999, 10_000_000]
+    checkpointer.prune(root, keep=1, upto=5)
+    assert [checkpointer.checkpoint_step(p) for p in checkpointer.list_checkpoints(root)] == [5, 9, 9_999_999, 10_000_000]
+    checkpointer.prune(root, keep=1, upto=10_000_000)
+    assert [p.name for p in checkpointer.list_checkpoints(root)] == ["step_10000000"]
 
 
 # ---------------------------------------------------------------- divergence
@@ -298,7 +299,7 @@ def test_non_finite_loss_stops_naming_the_step_and_writes_no_checkpoint(tmp_path
     assert result.returncode == 2 and "Traceback" not in result.output
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "non-finite loss or gradients at step 2" in errors[0]
-    assert not checkpoint.list_checkpoints(out / "checkpoints") and not (out / "model.safetensors").exists()
+    assert not checkpointer.list_checkpoints(out / "checkpoints") and not (out / "model.safetensors").exists()
 
 
 @pytest.mark.slow
@@ -315,14 +316,14 @@ def test_between_agreements_a_signal_and_a_non_finite_step_are_still_caught(tmp_
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode != 0 and len(errors) == 1, result.output[-3000:]
     assert "non-finite loss or gradients at step 2 (all ranks stopped at step 16" in errors[0]
-    assert not checkpoint.list_checkpoints(out / "checkpoints") and not (out / "model.safetensors").exists()
+    assert not checkpointer.list_checkpoints(out / "checkpoints") and not (out / "model.safetensors").exists()
 
 
 def test_non_finite_steps_are_skipped_up_to_the_limit_on_all_ranks(tmp_path):
     out = tmp_path / "run"
     result = check(run(torchrun_cmd(2, *BASE, "train.max_skipped_steps=1", f"output_dir={out}"), env=fault_env(tmp_path, "nan@2:rank=1")))
     assert "non-finite loss or gradients at step 2: update skipped (1 of at most 1)" in result.output
-    for folder in checkpoint.list_checkpoints(out / "checkpoints"):
+    for folder in checkpointer.list_checkpoints(out / "checkpoints"):
         weights = load_weights(folder)
         assert all(torch.isfinite(t).all() for t in weights.values())
         assert json.loads((folder / "trainer_state.json").read_text())["skipped_steps"] == 1

@@ -23,14 +23,15 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from helpers import REPO, TINY, check, launch_env, read_metrics, run, snapshot, torchrun_cmd, train_cmd
-from parallel_train import checkpoint, errors, faults
-from parallel_train.checkpoint_manifest import verifiers, verify
-from parallel_train.config import load_config
+from parallel_train import errors, faults
+from parallel_train.checkpoint import checkpointer
+from parallel_train.checkpoint.export import load_weights
+from parallel_train.checkpoint.manifest import verifiers, verify
+from parallel_train.config.load import load_config
 from parallel_train.errors import UserError
-from parallel_train.launch_env import check_launch_env
 from parallel_train.optim import lr_at
-from parallel_train.output_dir import LOCK, RunLock
-from parallel_train.weights_export import load_weights
+from parallel_train.parallel.launch_env import check_launch_env
+from parallel_train.run.output_dir import LOCK, RunLock
 
 pytestmark = pytest.mark.multiprocess
 
@@ -70,7 +71,7 @@ def test_resume_auto_stops_when_no_checkpoint_verifies_and_changes_nothing(tmp_p
     checkpoint itself are left exactly as they were."""
     out = tmp_path / "run"
     assert train_here(capsys, keep, f"output_dir={out}")[0] == "ok"
-    assert [p.name for p in checkpoint.list_checkpoints(out / "checkpoints")] == ["step_0000006"]
+    assert [p.name for p in checkpointer.list_checkpoints(out / "checkpoints")] == ["step_0000006"]
     (out / "checkpoints" / "step_0000006" / "rng_rank0.safetensors").unlink()
     before = snapshot(out)
     outcome, printed = train_here(capsys, keep, "train.max_steps=9", f"output_dir={out}")
@@ -91,7 +92,7 @@ def test_resume_from_an_older_checkpoint_with_keep_1_keeps_what_this_run_writes(
     root = out / "checkpoints"
     outcome, printed = train_here(capsys, "checkpoint.keep=1", "train.max_steps=4", f"resume={root / 'step_0000002'}", f"output_dir={out}")
     assert outcome == "ok", printed
-    assert [p.name for p in checkpoint.list_checkpoints(root)] == ["step_0000004", "step_0000006"]
+    assert [p.name for p in checkpointer.list_checkpoints(root)] == ["step_0000004", "step_0000006"]
     assert load_file(str(out / "model.safetensors")).keys() == load_weights(root / "step_0000004").keys()
     assert all((load_file(str(out / "model.safetensors"))[k] == v).all() for k, v in load_weights(root / "step_0000004").items())
 
@@ -136,7 +137,7 @@ def test_a_new_learning_rate_applies_from_the_resumed_step_and_config_yaml_says_
 
 def test_the_keys_that_may_change_on_resume_are_the_documented_ones():
     from helpers import doc_section
-    from parallel_train.resume_config import MAY_CHANGE
+    from parallel_train.run.resume_config import MAY_CHANGE
 
     section = doc_section("configuration", "What may change on resume")
     assert all(f"`{key}`" in section for key in MAY_CHANGE), [k for k in MAY_CHANGE if f"`{k}`" not in section]
@@ -187,7 +188,7 @@ def test_a_file_system_without_locks_is_said_once_and_the_run_goes_on(tmp_path, 
     import errno
     import fcntl
 
-    from parallel_train.output_dir import lock_output_dir
+    from parallel_train.run.output_dir import lock_output_dir
 
     def no_locks(fd, op):
         raise OSError(errno.ENOSYS, "Function not implemented")
@@ -241,7 +242,7 @@ def test_a_failed_metrics_write_is_one_line_naming_the_file_and_the_space(tmp_pa
     """/dev/full answers every write with ENOSPC, a full disk without root."""
     from types import SimpleNamespace
 
-    from parallel_train.tracking import MetricsLog
+    from parallel_train.observe.tracking import MetricsLog
 
     metrics, record = MetricsLog(Path("/dev/full"), SimpleNamespace(is_main_process=True), "none"), {"kind": "train", "step": 1}
     with pytest.raises(UserError) as failed:

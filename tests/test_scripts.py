@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from helpers import PYTHON, TINY, accelerate_cmd, check, launch_env, run, torchrun_cmd, train_cmd
-from parallel_train.config import REPO_ROOT, Config
-from parallel_train.config_fields import key_name
+from parallel_train.config.fields import key_name
+from parallel_train.config.sections import REPO_ROOT, Config
 
 pytestmark = pytest.mark.multiprocess
 

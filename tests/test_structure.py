@@ -100,3 +100,51 @@ def test_no_function_in_the_package_is_over_80_lines():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES:
                 long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)")
     assert not long, "functions over 80 lines (give them named parts): " + ", ".join(long)
+
+
+# The floors of the house, lowest first (docs/contributing.md, "Project layout"). A module may import modules on its
+# own floor or below, never above: models and data never reach for an engine, checkpoints never for the trainer.
+# The longest matching name decides (parallel.collectives sits on the ground floor, the rest of parallel/ on 4).
+FLOORS = {
+    0: ("errors", "faults", "losses", "eval_metrics", "config.fields", "config.model", "parallel.collectives", "models.ties"),
+    1: ("models",),
+    2: ("config", "data", "optim"),
+    3: ("checkpoint", "observe", "run"),
+    4: ("parallel",),
+    5: ("step", "evaluation", "guards"),
+    6: ("trainer", "cli"),
+}
+
+
+def floor(module: str) -> int:
+    """The floor of `parallel_train.<...>`: of the longest prefix FLOORS names."""
+    name = module.removeprefix("parallel_train.")
+    best = max((p for ps in FLOORS.values() for p in ps if name == p or name.startswith(p + ".")), key=len, default=None)
+    assert best is not None, f"{module} is on no floor: add it to FLOORS"
+    return next(f for f, ps in FLOORS.items() if best in ps)
+
+
+def test_no_module_imports_a_floor_above_its_own():
+    """Dependency direction: a lower floor never imports a higher one (package __init__ files hold only docstrings,
+    so importing `parallel_train.parallel.collectives` does not count as importing the engines)."""
+    packages = {module_name(p) for p in PACKAGE.rglob("__init__.py")}
+    up = []
+    for module, targets in import_graph().items():
+        if module in packages:
+            continue
+        up += [f"{module} (floor {floor(module)}) -> {t} (floor {floor(t)})" for t in targets - packages if floor(t) > floor(module)]
+    assert not up, "imports that climb a floor: " + "; ".join(sorted(up))
+
+
+def test_package_init_files_are_docstrings_only():
+    """Each subpackage says what lives there and what it may import, and runs nothing (no import cycles through them)."""
+    for init in PACKAGE.rglob("__init__.py"):
+        if init.parent.name in ("models",):  # the model registry is the one package whose __init__ is code
+            continue
+        tree = ast.parse(init.read_text())
+        assert ast.get_docstring(tree) and len(tree.body) == 1, f"{init.relative_to(REPO)}: a docstring and nothing else"
+
+
+def test_at_most_ten_modules_at_the_top_of_the_package():
+    top = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= 10, top

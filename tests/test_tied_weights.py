@@ -1,4 +1,4 @@
-"""Tied weights on every layout (src/parallel_train/ties.py, pipeline/tied.py): a tiny GPT whose output layer is its
+"""Tied weights on every layout (src/parallel_train/models/ties.py, parallel/pipeline/tied.py): a tiny GPT whose output layer is its
 token embedding (model.tie_embeddings=true, as GPT-2 does).
 
 In process: the tie is found, stored once under its owner's name with the alias recorded, loaded back into every
@@ -19,20 +19,19 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from helpers import PYTHON, TINY, check, launch_env, run, summary, torchrun_cmd, train_cmd, train_losses
-from parallel_train import checkpoint, checkpoint_storage
-from parallel_train.checkpoint_manifest import SHARD_DIR
-from parallel_train.engine import RankState
+from parallel_train.checkpoint import checkpointer, storage
+from parallel_train.checkpoint.export import INDEX, export, load_weights, read_weights
+from parallel_train.checkpoint.manifest import SHARD_DIR
+from parallel_train.checkpoint.named_state import RankState, load_into, merge_meta, rank_tensors, templates
 from parallel_train.errors import UserError
-from parallel_train.mesh import MeshLayout
-from parallel_train.model_init import start_model
 from parallel_train.models.gpt import GPT, GPTConfig
-from parallel_train.named_state import load_into, merge_meta, rank_tensors, templates
-from parallel_train.pipeline.inprocess import refuse_ties_across_devices
-from parallel_train.pipeline.split import plan_stages, stage_module
-from parallel_train.pipeline.tied import TiedAcrossStages
-from parallel_train.sharding import refuse_cut_ties
-from parallel_train.ties import TIED_KEY, find_ties
-from parallel_train.weights_export import INDEX, export, load_weights, read_weights
+from parallel_train.models.ties import TIED_KEY, find_ties
+from parallel_train.parallel.mesh import MeshLayout
+from parallel_train.parallel.model_init import start_model
+from parallel_train.parallel.pipeline.inprocess import refuse_ties_across_devices
+from parallel_train.parallel.pipeline.split import plan_stages, stage_module
+from parallel_train.parallel.pipeline.tied import TiedAcrossStages
+from parallel_train.parallel.sharding import refuse_cut_ties
 
 TIED = {"head.weight": "tok_emb.weight"}
 CFG = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, tie_embeddings=True)
@@ -44,9 +43,9 @@ def tied_gpt(seed: int = 0) -> GPT:
 
 
 def save(folder, rank: RankState):
-    """A checkpoint's tensors and optimizer.json, as one process writes them (checkpoint.py, without the rest)."""
+    """A checkpoint's tensors and optimizer.json, as one process writes them (checkpoint/checkpointer.py, without the rest)."""
     tensors, meta = rank_tensors(rank)
-    checkpoint_storage.write(folder / SHARD_DIR, tensors)
+    storage.write(folder / SHARD_DIR, tensors)
     (folder / "optimizer.json").write_text(json.dumps(merge_meta([meta])))
     return folder
 
@@ -74,7 +73,7 @@ def test_a_tied_weight_is_stored_once_and_loads_into_every_name_a_part_holds(tmp
 
     fresh = tied_gpt(seed=1)  # other weights, same tie: one process resuming
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
-    checkpoint.load_rank_state(folder, RankState(fresh.state_dict(), fresh, fresh_opt, TIED))
+    checkpointer.load_rank_state(folder, RankState(fresh.state_dict(), fresh, fresh_opt, TIED))
     assert fresh.head.weight is fresh.tok_emb.weight  # loading copies into the tensor: the tie stays
     for (name, p), q in zip(fresh.named_parameters(), model.parameters(), strict=True):
         assert torch.equal(p, q), name
@@ -87,9 +86,9 @@ def test_a_tied_weight_is_stored_once_and_loads_into_every_name_a_part_holds(tmp
     last_opt = torch.optim.AdamW(last.parameters(), lr=1e-2)
     stage = RankState(last.state_dict(), last, last_opt, TIED)
     assert "head.weight" in stage.model and "tok_emb.weight" not in stage.model
-    saved = checkpoint_storage.saved_tensors(folder / SHARD_DIR)
+    saved = storage.saved_tensors(folder / SHARD_DIR)
     tensors = templates(stage, saved, set(whole.state_dict()))  # what load_rank_state does, with every rank's names
-    checkpoint_storage.read(folder / SHARD_DIR, tensors)
+    storage.read(folder / SHARD_DIR, tensors)
     load_into(stage, tensors, json.loads((folder / "optimizer.json").read_text()))
     assert torch.equal(last.head.weight, model.tok_emb.weight)
     assert torch.equal(last_opt.state[last.head.weight]["exp_avg_sq"], rank.optimizer.state[model.tok_emb.weight]["exp_avg_sq"])

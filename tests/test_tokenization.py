@@ -7,8 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from parallel_train.errors import UserError
-from parallel_train.tokenization import (
+from parallel_train.data.tokenizers import (
     ByteVocab,
     CharVocab,
     HFTokenizer,
@@ -17,6 +16,7 @@ from parallel_train.tokenization import (
     load_tokenizer,
     train_bpe,
 )
+from parallel_train.errors import UserError
 
 TEXT = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 30
 
@@ -124,8 +124,8 @@ def test_what_cannot_be_loaded_is_one_line(tmp_path, monkeypatch):
 
 
 def test_the_in_memory_corpus_takes_every_kind_and_keeps_a_resumed_runs(tmp_path, bpe):
-    from parallel_train.config import Config
-    from parallel_train.data import build_datasets
+    from parallel_train.config.sections import Config
+    from parallel_train.data.text import build_datasets
 
     (tmp_path / "c.txt").write_text(TEXT)
     cfg = Config()

@@ -126,8 +126,8 @@ def test_fsdp_yaml_is_fsdp2_wrapping_every_gpt_block():
 
 
 def test_more_processes_than_gpus_is_refused_with_the_fix():
-    from parallel_train.accelerator_setup import check_gpus_per_node
     from parallel_train.errors import UserError
+    from parallel_train.parallel.accelerator import check_gpus_per_node
 
     check_gpus_per_node(4, 4)
     with pytest.raises(UserError, match=r"8 processes were started on this node but it has 4 GPU\(s\).*--num_processes 4 train.py"):
@@ -139,8 +139,7 @@ def test_deepspeed_style_optimizer_state_is_skipped_not_fatal():
     here, so a stand-in with that shape): checkpoints keep the model and say the optimizer state is missing."""
     import torch
 
-    from parallel_train.engine import RankState
-    from parallel_train.named_state import load_optimizer_by_name, rank_tensors
+    from parallel_train.checkpoint.named_state import RankState, load_optimizer_by_name, rank_tensors
 
     model = torch.nn.Linear(2, 2)
 

@@ -139,7 +139,7 @@ def test_seed_mlp_example_on_two_processes(tmp_path):
 
 
 def test_bf16_and_fp16_train_and_an_fp16_overflow_is_the_scalers_not_a_fault(tmp_path):
-    """bf16 autocasts; fp16 scales the loss (precision.py). A forced overflow (inf gradients in step 2's first
+    """bf16 autocasts; fp16 scales the loss (parallel/precision.py). A forced overflow (inf gradients in step 2's first
     micro-batch, the loss finite) is skipped by the scaler, which lowers its scale, and with the default
     train.max_skipped_steps=0 the run goes on: the guard does not count it as a non-finite step."""
     r = check(run(train_cmd(*TINY, "train.mixed_precision=bf16", f"output_dir={tmp_path / 'bf16'}"), env=launch_env(tmp_path)))

@@ -5,10 +5,10 @@ from __future__ import annotations
 import sys
 
 from parallel_train import faults
-from parallel_train.config import help_text, load_config
-from parallel_train.data_sources import check_source
-from parallel_train.launch_env import check_launch_env
-from parallel_train.messages import quiet_third_party
+from parallel_train.config.load import help_text, load_config
+from parallel_train.data.sources import check_source
+from parallel_train.observe.messages import quiet_third_party
+from parallel_train.parallel.launch_env import check_launch_env
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,7 +33,7 @@ class UserError(Exception):
 
 
 class NoLauncher(UserError):
-    """The environment claims a distributed launch that no launcher made (launch_env.py): this process is alone."""
+    """The environment claims a distributed launch that no launcher made (parallel/launch_env.py): this process is alone."""
 
 
 @dataclass
@@ -92,7 +92,7 @@ def world_size() -> int:
 
 def is_first_process() -> bool:
     # Read the launcher's environment, not torch.distributed: messages are printed before the process group
-    # exists too. A run of one process is the first whatever a leaked RANK says (launch_env.py refuses those).
+    # exists too. A run of one process is the first whatever a leaked RANK says (parallel/launch_env.py refuses those).
     if world_size() == 1:
         return True
     return os.environ.get("RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0"

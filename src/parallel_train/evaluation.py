@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from parallel_train.eval_metrics import add_stats, add_totals, metric_stats, metric_values
+from parallel_train.parallel.collectives import all_gather
 
 
 def rank_slice(n: int, dp_size: int, dp_rank: int) -> tuple[int, int]:
@@ -45,10 +46,7 @@ def evaluate(engine, val_batches) -> dict[str, float]:
 
 def sum_over_ranks(totals: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
     """Every rank's summed statistics added up (ranks without any add nothing): a few numbers per rank."""
-    if not torch.distributed.is_initialized():
-        return totals
-    parts: list[dict | None] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(parts, {k: v.cpu() for k, v in totals.items()} if totals is not None else None)
+    parts = all_gather({k: v.cpu() for k, v in totals.items()} if totals is not None else None)
     summed = None
     for part in filter(None, parts):
         summed = add_totals(summed, part)

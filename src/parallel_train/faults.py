@@ -29,6 +29,7 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,7 +90,15 @@ def parse(spec: str) -> list[Fault]:
     return faults
 
 
-FAULTS = parse(os.environ.get(ENV, ""))
+FAULTS: list[Fault] = []
+
+
+def load() -> None:
+    """Read PARALLEL_TRAIN_FAULT (again): at import, and in a process that has set its environment since."""
+    FAULTS[:] = parse(os.environ.get(ENV, ""))
+
+
+load()
 
 
 def _fire(kind: str, step: int) -> bool:
@@ -97,7 +106,7 @@ def _fire(kind: str, step: int) -> bool:
 
 
 def after_step(step: int) -> None:
-    """Called by the trainer after each optimizer step."""
+    """After each optimizer step (through step_hook)."""
     if not FAULTS:
         return
     if _fire("kill", step):
@@ -116,7 +125,7 @@ def after_step(step: int) -> None:
 
 
 def in_save(step: int) -> None:
-    """Called by checkpoint.py once every rank's tensors of checkpoint `step` are written, before the manifest."""
+    """Called by checkpoint/checkpointer.py once every rank's tensors of checkpoint `step` are written, before the manifest."""
     if FAULTS and _fire("kill_in_save", step):
         where = "in the training thread" if threading.current_thread() is threading.main_thread() else "in the background"
         print(f"[fault] SIGKILL while saving checkpoint {step} ({where})", flush=True)
@@ -132,7 +141,7 @@ def user_error(step: int) -> None:
 
 
 def in_shard_write(path: str) -> None:
-    """Called by checkpoint_storage.py before this rank writes a tensor file (`.../.tmp-step_0000006/shards/...`)."""
+    """Called by checkpoint/storage.py before this rank writes a tensor file (`.../.tmp-step_0000006/shards/...`)."""
     found = re.findall(r"step_(\d+)", path) if FAULTS else None  # the last one: output_dir may hold "step_" too
     if found and _fire("enospc", int(found[-1])):
         print(f"[fault] ENOSPC writing {path} on rank {os.environ.get('RANK', '0')}", flush=True)
@@ -150,10 +159,20 @@ def hidden(step: int, listing: bool) -> bool:
 
 
 def in_prepare(shards: int) -> None:
-    """Called by prepare.py each time a token shard is renamed into place (`shards` so far)."""
+    """Called by data/prepare.py each time a token shard is renamed into place (`shards` so far)."""
     if FAULTS and _fire("kill_in_prepare", shards):
         print(f"[fault] SIGKILL while preparing data, after shard {shards}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def step_hook(model, current_step) -> Callable[[int], None]:
+    """The one fault hook of the training loop: the trainer calls what this returns after every optimizer step. It
+    installs the model-output faults (nan, overflow) on `model` and fires the after-step ones (kill, hang,
+    signals, user_error); with PARALLEL_TRAIN_FAULT unset it does nothing. `current_step()` -> int."""
+    if not FAULTS:
+        return lambda step: None
+    install(model, current_step)
+    return after_step
 
 
 def install(model, current_step) -> None:

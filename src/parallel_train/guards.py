@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from parallel_train.errors import PROGRESS, UserError
+from parallel_train.parallel.collectives import all_reduce_small
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 AGREE_EVERY = 16
@@ -65,15 +66,6 @@ class StopSignals:
     @property
     def name(self) -> str | None:
         return signal.Signals(self.received).name if self.received is not None else None
-
-
-def all_reduce_small(t: torch.Tensor, op, device: torch.device | str) -> torch.Tensor:
-    """All-reduce a few numbers across ranks (nothing to do in one process): on `device` under NCCL (which
-    cannot reduce CPU tensors), on the CPU under gloo."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        t = t.to(device if torch.distributed.get_backend() == "nccl" else "cpu")
-        torch.distributed.all_reduce(t, op=op)
-    return t
 
 
 class RunGuard:
@@ -144,25 +136,6 @@ class RunGuard:
         if agreed[0]:
             return self.signals.name or signal.Signals(agreed[0]).name
         return None
-
-
-def check_finite_weights(engine, step: int) -> None:
-    """Refuse to write weights that hold NaN/inf. A collective: every rank checks its own parameters."""
-    bad = torch.zeros((), dtype=torch.int64)
-    # The optimizer holds exactly this rank's parameters under every engine (whole model, shard or stage).
-    for p in (q for group in engine.optimizer.param_groups for q in group["params"]):
-        local = (p.to_local() if hasattr(p, "to_local") else p).detach()  # a DTensor's shard
-        # A sum is finite only if every element is (NaN and inf propagate), and summing is about 10x faster than
-        # isfinite().all() on the CPU (0.06 s against 0.6 s for 98M parameters, part of every checkpoint save). A
-        # non-finite sum may also be an overflow of huge finite weights: only then is every element looked at.
-        if not bool(torch.isfinite(local.sum())) and not bool(torch.isfinite(local).all()):
-            bad.fill_(1)
-            break
-    if all_reduce_small(bad, torch.distributed.ReduceOp.MAX, engine.accelerator.device).item():
-        raise UserError(
-            f"the model weights are non-finite (NaN or inf) at step {step}: not writing them; "
-            "lower train.learning_rate or check the data, then resume=auto from the last checkpoint"
-        )
 
 
 def stop_message(signal_name: str, step: int, max_steps: int, saved: Path) -> str:

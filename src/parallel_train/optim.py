@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from parallel_train.config import TrainConfig
+from parallel_train.config.sections import TrainConfig
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, fused: bool = False) -> torch.optim.Optimizer:

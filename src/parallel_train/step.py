@@ -1,4 +1,4 @@
-"""One optimizer step, the same for every engine (engine.py supplies only forward/backward and the gradient sync):
+"""One optimizer step, the same for every engine (parallel/engine.py supplies only forward/backward and the gradient sync):
 
     micro-batches      this rank's gradient_accumulation_steps slices of the global batch
     count              valid targets (not IGNORE_INDEX) of the WHOLE step: every micro-batch, every data-parallel
@@ -21,16 +21,15 @@ micro-batch means that the loop computed before the loss was counted per token.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
-from parallel_train.guards import all_reduce_small
+from parallel_train.checkpoint.named_state import torch_optimizer
 from parallel_train.losses import valid_tokens
-from parallel_train.named_state import torch_optimizer
-from parallel_train.precision import Precision
+from parallel_train.parallel.collectives import all_reduce_small
+from parallel_train.parallel.precision import Precision
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -40,27 +39,6 @@ class StepResult:
     loss_sum: torch.Tensor  # this rank's summed token loss of the step (device tensor; zero where it holds no loss)
     count: torch.Tensor  # valid targets of the whole step, all ranks: the loss's denominator
     tokens: int  # tokens this rank read (throughput)
-
-
-def accumulate(
-    micro: list[Batch],
-    forward: Callable[[torch.Tensor], torch.Tensor],
-    loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    backward: Callable[[torch.Tensor], None],
-    sync: Callable[[bool], AbstractContextManager],
-    device: torch.device,
-) -> torch.Tensor:
-    """Forward and backward of each micro-batch in turn, `sync(last)` around each so that gradients are
-    synchronised on the last one only (DDP's no_sync, FSDP2's set_requires_gradient_sync). Returns the summed
-    token loss (a device tensor: no host sync). Used by the engines whose model runs micro-batches one at a time."""
-    total = torch.zeros((), device=device)
-    for i, (x, y) in enumerate(micro):
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        with sync(i == len(micro) - 1):
-            s = loss_sum(forward(x), y)
-            backward(s)
-        total += s.detach()
-    return total
 
 
 class Stepper:

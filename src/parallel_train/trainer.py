@@ -5,9 +5,9 @@
     finish     final weights, summary.json, the loss picture
     close      one clean-up path (try/finally), whatever ended the loop
 
-Parallelism lives in the engine (engine.py; topology.py picks one) and in the data sharding (batch_sampler.py):
+Parallelism lives in the engine (parallel/engine.py; parallel/build.py picks one) and in the data sharding (data/batch_sampler.py):
 nothing here depends on the topology. The optimizer step (step.py) and evaluation (evaluation.py) are the same
-for every engine. What a checkpoint stores besides tensors is `self.state` (train_state.py).
+for every engine. What a checkpoint stores besides tensors is `self.state` (checkpoint/train_state.py).
 """
 
 from __future__ import annotations
@@ -20,33 +20,34 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from parallel_train import checkpoint, faults
-from parallel_train.accelerator_setup import deepspeed_runs, make_accelerator, requested_precision
-from parallel_train.config import Config
-from parallel_train.data import train_loader, val_loader
-from parallel_train.data_sources import load_data
-from parallel_train.disk import write_atomic, write_error
+from parallel_train import faults
+from parallel_train.checkpoint import checkpointer
+from parallel_train.checkpoint.disk import write_atomic, write_error
+from parallel_train.checkpoint.export import checkpoint_weights, export, load_weights
+from parallel_train.checkpoint.named_state import torch_optimizer
+from parallel_train.checkpoint.train_state import TrainingState
+from parallel_train.config.sections import Config
+from parallel_train.data.sources import load_data
+from parallel_train.data.streaming import gather_positions, position_for
+from parallel_train.data.text import train_loader, val_loader
+from parallel_train.data.tokenizers import load_saved
 from parallel_train.errors import is_first_process
 from parallel_train.evaluation import evaluate
 from parallel_train.guards import RunGuard, stop_message
-from parallel_train.messages import train_line
-from parallel_train.model_init import Whole, start_model
 from parallel_train.models import MODELS
-from parallel_train.named_state import torch_optimizer
+from parallel_train.observe.messages import train_line
+from parallel_train.observe.perf import Throughput, configure_backends, mfu, peak_flops, process_age_s
+from parallel_train.observe.plots import PICTURE, plot_runs
+from parallel_train.observe.tracking import MetricsLog, finish_trackers, init_trackers, prepare_tracker_env
 from parallel_train.optim import build_optimizer, build_scheduler
-from parallel_train.output_dir import check_output_dir, lock_output_dir
-from parallel_train.perf import Throughput, configure_backends, mfu, peak_flops, process_age_s
-from parallel_train.plots import PICTURE, plot_runs
-from parallel_train.precision import make_precision
-from parallel_train.resume import choose_checkpoint
-from parallel_train.resume_config import SCHEDULE, apply_schedule, change_notice, config_changes
+from parallel_train.parallel.accelerator import deepspeed_runs, make_accelerator, requested_precision
+from parallel_train.parallel.build import build_engine, describe, splits_the_model
+from parallel_train.parallel.model_init import Whole, start_model
+from parallel_train.parallel.precision import make_precision
+from parallel_train.run.output_dir import check_output_dir, lock_output_dir
+from parallel_train.run.resume import choose_checkpoint
+from parallel_train.run.resume_config import SCHEDULE, apply_schedule, change_notice, config_changes
 from parallel_train.step import Stepper, StepResult
-from parallel_train.streaming_data import gather_positions, position_for
-from parallel_train.tokenization import load_saved
-from parallel_train.topology import build_engine, describe, splits_the_model
-from parallel_train.tracking import MetricsLog, finish_trackers, init_trackers, prepare_tracker_env
-from parallel_train.train_state import TrainingState
-from parallel_train.weights_export import checkpoint_weights, export, load_weights
 
 
 def say(message: str) -> None:
@@ -94,8 +95,8 @@ class Trainer:
         tracker_word = prepare_tracker_env(cfg.tracker, self.out, say)
 
         self.accelerator = make_accelerator(cfg, say)
-        # From here on the main process decides for every rank: who holds output_dir (output_dir.py), which checkpoint
-        # the run continues from (resume.py). Nothing in output_dir is read before the lock is held.
+        # From here on the main process decides for every rank: who holds output_dir (run/output_dir.py), which checkpoint
+        # the run continues from (run/resume.py). Nothing in output_dir is read before the lock is held.
         self.lock = lock_output_dir(self.out, self.accelerator.is_main_process, say)
         try:
             self._set_up(config_path, tracker_word)
@@ -107,7 +108,7 @@ class Trainer:
         """The checkpoint to continue from (every rank the same), then the banner, model, engine and outputs."""
         cfg = self.cfg
         self.resume_from = choose_checkpoint(cfg.resume, self.ckpt_root, warn=lambda m: say(f"warning: {m}"))
-        # Keys that may change on resume apply from the resumed step; any other change stops here (resume_config.py).
+        # Keys that may change on resume apply from the resumed step; any other change stops here (run/resume_config.py).
         self.changes = config_changes(self.resume_from, cfg) if self.resume_from else {}
         self.device = self.accelerator.device
         self.precision = make_precision(requested_precision(cfg), self.device, self.accelerator.num_processes, deepspeed_runs())
@@ -128,12 +129,12 @@ class Trainer:
         self.data = load_data(cfg, load_saved(self.resume_from) if self.resume_from else None)
         if self.data.description:
             say(f"[parallel_train] data: {self.data.description}")
-        # On the meta device when the model can start there: no rank builds the whole model (model_init.py).
+        # On the meta device when the model can start there: no rank builds the whole model (parallel/model_init.py).
         model, init = start_model(MODELS[cfg.model.name], cfg.model, self.data.vocab_size, cfg.train.seed)
         if isinstance(init, Whole) and splits_the_model(cfg, self.accelerator.num_processes):
             say(
                 f"notice: model.name={cfg.model.name} has no init_weights(name, module), so every rank builds the whole model "
-                "before it is sharded; add one for a meta-device start (models/gpt.py, src/parallel_train/model_init.py)"
+                "before it is sharded; add one for a meta-device start (models/gpt.py, src/parallel_train/parallel/model_init.py)"
             )
         fused = self.device.type == "cuda"
         probe = lambda: [t[: cfg.train.batch_size] for t in next(iter(val_loader(self.data, cfg, 1)))]  # noqa: E731 (parallel.split=time)
@@ -156,13 +157,13 @@ class Trainer:
         """The training state: a fresh one, or the checkpoint's (weights, optimizer, schedule and RNG restored)."""
         self.state = TrainingState()
         if self.resume_from is not None:
-            self.state = checkpoint.load(self.resume_from, self.engine, self.scheduler, self.precision)
+            self.state = checkpointer.load(self.resume_from, self.engine, self.scheduler, self.precision)
             say(f"[parallel_train] resumed from {self.resume_from} at step {self.state.step}")
             if any(key in SCHEDULE for key in self.changes):
                 apply_schedule(self.scheduler, self.cfg.train.learning_rate)
             if notice := change_notice(self.changes, self.state.step):
                 say(notice)
-            notice = checkpoint.topology_notice(self.state, self.accelerator.num_processes, self.global_batch)
+            notice = checkpointer.topology_notice(self.state, self.accelerator.num_processes, self.global_batch)
             if notice:
                 say(notice)
         self.start_step = self.state.step
@@ -171,7 +172,8 @@ class Trainer:
         self.guard = RunGuard(self.accelerator, self.cfg.train.max_skipped_steps, self.cfg.parallel.timeout_s, self.state.skipped_steps)
         self.stepper = Stepper(self.engine, self.precision, self.cfg.train, self.data.all_targets_count, self.guard.update_allowed)
         self.stepper.skipped_by_scaler = self.state.scaler_skipped_steps
-        faults.install(self.engine.model, lambda: self.guard.step)  # test-only; nothing unless PARALLEL_TRAIN_FAULT is set
+        # Test-only fault injection, one hook called after every step: a no-op unless PARALLEL_TRAIN_FAULT is set.
+        self.fault_hook = faults.step_hook(self.engine.model, lambda: self.guard.step)
 
     def _open_outputs(self) -> None:
         """config.yaml and the tokenizer (vocab.json or tokenizer.json), metrics.jsonl (cut back to the resumed step),
@@ -202,8 +204,8 @@ class Trainer:
         self.peak = peak_flops(self.device, self.precision.name, cfg.train)
         self.speed = Throughput()
         self.first_step_s: float | None = None
-        c = cfg.checkpoint  # every rank writes its own part; with checkpoint.async in the background (checkpoint.py)
-        self.saver = checkpoint.Checkpointer(self.ckpt_root, c.keep, c.keep_best, self.resume_from, c.async_, cfg.parallel.timeout_s)
+        c = cfg.checkpoint  # every rank writes its own part; with checkpoint.async in the background (checkpoint/checkpointer.py)
+        self.saver = checkpointer.Checkpointer(self.ckpt_root, c.keep, c.keep_best, self.resume_from, c.async_, cfg.parallel.timeout_s)
         self.pbar = tqdm(
             total=cfg.train.max_steps,
             initial=self.start_step,
@@ -246,7 +248,7 @@ class Trainer:
             if preempted:  # the checkpoint is written on all ranks; leave cleanly
                 self.saver.finish()
                 self.pbar.close()
-                say(stop_message(stop, done, cfg.train.max_steps, self.ckpt_root / checkpoint.checkpoint_name(done)))
+                say(stop_message(stop, done, cfg.train.max_steps, self.ckpt_root / checkpointer.checkpoint_name(done)))
                 return False
         return True
 
@@ -256,7 +258,7 @@ class Trainer:
         result = self.stepper.step(self.batches)
         self.scheduler.step()
         self.state.step += 1
-        faults.after_step(self.state.step)
+        self.fault_hook(self.state.step)
         self.speed.add(result.tokens * self.engine.dp_size)
         self.pbar.update(1)
         if self.first_step_s is None:  # from the process's start: imports and set-up count
@@ -323,7 +325,7 @@ class Trainer:
         self.saver.finish()  # the last checkpoint (always written at max_steps) is on disk
         if not self.accelerator.is_main_process:
             return
-        final = self.ckpt_root / checkpoint.checkpoint_name(cfg.train.max_steps)
+        final = self.ckpt_root / checkpointer.checkpoint_name(cfg.train.max_steps)
         source = final if final.is_dir() else self.resume_from
         try:
             export(source, out)  # model.safetensors, one whole tensor at a time

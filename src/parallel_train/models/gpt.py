@@ -6,21 +6,19 @@ checkpoints use them as parameter names whatever the topology):
     tok_emb, pos_emb      token and position embeddings
     blocks.0 .. blocks.N  transformer blocks (a ModuleDict, so names survive when a stage keeps a few)
     ln_f, head            final LayerNorm and the output projection to the vocabulary (model.tie_embeddings=true:
-                          its weight is tok_emb's, one weight on every layout: ties.py)
+                          its weight is tok_emb's, one weight on every layout: models/ties.py)
 
 `forward` tolerates missing parts (set to None by a pipeline stage): a stage without the embeddings
 takes the previous stage's activations as input, a stage without the head returns activations.
 
 Tensor parallelism (`parallel.tp`): `tensor_parallel_plan` says how torch's `parallelize_module` cuts each
 part (attention by heads, the MLP by columns, sequence parallel on the norms). Attention has separate q, k, v
-projections so that a column cut gives each rank whole heads of all three; checkpoints written before that,
-with one fused `attn.qkv`, are converted on load (`upgrade_state_dict`).
+projections so that a column cut gives each rank whole heads of all three.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 import torch
@@ -28,9 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from parallel_train.config_fields import check, opt
+from parallel_train.config.fields import check, opt
+from parallel_train.config.model import ModelConfig
 from parallel_train.errors import UserError
-from parallel_train.model_config import ModelConfig
 
 
 @dataclass
@@ -114,19 +112,15 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.head = nn.Linear(cfg.n_embd, vocab_size, bias=False)
-        if cfg.tie_embeddings:  # one weight, two names; every layout keeps it one weight (ties.py)
+        if cfg.tie_embeddings:  # one weight, two names; every layout keeps it one weight (models/ties.py)
             self.head.weight = self.tok_emb.weight
 
         self.n_layer = cfg.n_layer
         # Every module initialised by init_weights, drawing from torch's generator: built whole (tests, scripts),
-        # this is the model's start; the trainer builds it on the meta device instead and model_init.py calls
+        # this is the model's start; the trainer builds it on the meta device instead and parallel/model_init.py calls
         # init_weights one module at a time, under a seed keyed by the module's name.
         for name, module in self.named_modules():
             self.init_weights(name, module)
-        # Old checkpoints (fused qkv) load too. Registered without a reference to this module: the public
-        # register_load_state_dict_pre_hook keeps a weak one, which dies with the whole model when only pipeline
-        # stage views (shallow copies sharing the hook) survive.
-        self._register_load_state_dict_pre_hook(_upgrade_on_load)
 
     def init_weights(self, name: str, module: nn.Module) -> None:
         """GPT-2's initialisation of one module's own parameters: normal(0, 0.02) for Linear and Embedding weights,
@@ -138,22 +132,6 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.LayerNorm):
             module.reset_parameters()
-
-    @staticmethod
-    def upgrade_state_dict(state: dict) -> dict:
-        """Checkpoint keys from before the q/k/v split: `blocks.N.attn.qkv.weight` (and its optimizer entries,
-        `.../exp_avg`) become `attn.q`, `attn.k`, `attn.v`, each a third of the rows; per-parameter scalars
-        (Adam's `step`) are copied to all three. Other keys pass unchanged."""
-        out = {}
-        for key, value in state.items():
-            m = re.fullmatch(r"(.*\battn)\.qkv\.(weight|bias)(/.*)?", key)
-            if m is None:
-                out[key] = value
-                continue
-            parts = value.chunk(3) if torch.is_tensor(value) and value.dim() > 0 else (value, value, value)
-            for name, part in zip("qkv", parts, strict=True):
-                out[f"{m.group(1)}.{name}.{m.group(2)}{m.group(3) or ''}"] = part.clone() if torch.is_tensor(part) else part
-        return out
 
     def tensor_parallel_plan(self, tp: int) -> dict:
         """How `parallel.tp` ranks cut this model: {module name: torch ParallelStyle}, for `parallelize_module`.
@@ -220,11 +198,3 @@ class GPT(nn.Module):
         n_layer, block = len(self.blocks), self.block_size
         n_embd = self.pos_emb.weight.shape[1]
         return 6 * n_params + 12 * n_layer * n_embd * block
-
-
-def _upgrade_on_load(state: dict, prefix: str, *args) -> None:
-    """load_state_dict pre-hook: convert fused-qkv keys of old checkpoints in place (see GPT.upgrade_state_dict)."""
-    if any(".qkv." in key for key in state):
-        new = GPT.upgrade_state_dict(dict(state))
-        state.clear()
-        state.update(new)

@@ -16,8 +16,8 @@
   the sharding engines.
 
 Tied embeddings (GPT-2, some Llamas: lm_head.weight is the input embedding) are handled as any model's tie
-(ties.py): one tensor under data parallelism and FSDP, exactly as transformers trains them; a copy on each pipeline
-stage that holds a name of it, kept equal by summing their gradients (pipeline/tied.py); stored once in
+(models/ties.py): one tensor under data parallelism and FSDP, exactly as transformers trains them; a copy on each pipeline
+stage that holds a name of it, kept equal by summing their gradients (parallel/pipeline/tied.py); stored once in
 checkpoints, under its first name; refused under tensor parallelism. model.untie_embeddings=true gives lm_head its
 own copy instead (trained separately, exported untied).
 """
@@ -31,11 +31,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallel_train.config_fields import check, opt
+from parallel_train.config.fields import check, opt
+from parallel_train.config.model import ModelConfig
 from parallel_train.errors import UserError
-from parallel_train.model_config import ModelConfig
 from parallel_train.models import hf_export, hf_layouts, hf_loading, hf_tensor_parallel
-from parallel_train.ties import find_ties, with_aliases
+from parallel_train.models.ties import find_ties, with_aliases
 
 
 @dataclass
@@ -95,7 +95,7 @@ class HFCausalLM(nn.Module):
             self._load_pretrained()
 
     def pretrained_files(self) -> list[Path] | None:
-        """The safetensors files the first weights come from (model_init.py reads each rank's slices), or None for
+        """The safetensors files the first weights come from (parallel/model_init.py reads each rank's slices), or None for
         random weights (hf_pretrained=false)."""
         return hf_loading.weight_files(self.hf_path) if self.pretrained else None
 
@@ -161,7 +161,7 @@ class HFCausalLM(nn.Module):
         return hf_tensor_parallel.tensor_parallel_plan(self, self.tp_plan, self.hf.config, tp, what)
 
     def pipeline_units(self) -> dict[str, nn.Module]:
-        """The parts the pipeline splitter cuts between, in forward order (pipeline/split.py)."""
+        """The parts the pipeline splitter cuts between, in forward order (parallel/pipeline/split.py)."""
         what = f"model.hf_path {self.hf_path!r} ({self.hf.config.model_type})"
         if self.layout is None:
             known = ", ".join(sorted(hf_layouts.LAYOUTS))

@@ -65,15 +65,15 @@ def hf_tokenizer(tokenizer: Any, hf_path: str = "") -> Any | None:
     """The run's tokenizer in its Hugging Face form, or None (a char vocabulary has none). When it is the model
     folder's own tokenizer.json, the folder's tokenizer is saved whole: its special tokens and chat template too."""
     own = Path(hf_path) / "tokenizer.json"
-    if tokenizer is not None and own.is_file() and (Path(hf_path) / "tokenizer_config.json").is_file():
-        from parallel_train.tokenization import load_hf_file
+    core = getattr(tokenizer, "tokenizer", None)  # a tokenizers.Tokenizer (a tokenizer.json, bpe:N)
+    if core is not None and own.is_file() and (Path(hf_path) / "tokenizer_config.json").is_file():
+        from tokenizers import Tokenizer
 
-        if load_hf_file(own).fingerprint == tokenizer.fingerprint:
+        if Tokenizer.from_file(str(own)).to_str() == core.to_str():  # the folder's own: the same tokenizer.json
             return hf_loading.import_transformers().AutoTokenizer.from_pretrained(hf_path)
     kind = getattr(tokenizer, "kind", None)
     if kind == "byte":
         return byte_tokenizer()
-    core = getattr(tokenizer, "tokenizer", None)  # a tokenizers.Tokenizer (a tokenizer.json, bpe:N)
     if core is not None:
         from transformers import PreTrainedTokenizerFast
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from parallel_train.config_fields import opt
-from parallel_train.model_config import ModelConfig
+from parallel_train.config.fields import opt
+from parallel_train.config.model import ModelConfig
 
 
 @dataclass
@@ -34,7 +34,7 @@ class SeedMLP(nn.Module):
         self.fc2 = nn.Linear(cfg.hidden, cfg.out_features)
 
     def init_weights(self, name: str, module: nn.Module) -> None:
-        """torch's own initialisation of one layer (model_init.py calls it under a seed keyed by the layer's name)."""
+        """torch's own initialisation of one layer (parallel/model_init.py calls it under a seed keyed by the layer's name)."""
         if hasattr(module, "reset_parameters"):
             module.reset_parameters()
 

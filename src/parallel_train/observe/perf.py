@@ -1,0 +1,116 @@
+"""Speed settings, the peak FLOP/s of known accelerators (for model FLOPs utilisation, MFU), and the tokens/s meter."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from parallel_train.config.sections import TrainConfig
+
+# Dense peak TFLOP/s (no sparsity) from the vendors' data sheets, per GPU (SXM parts).
+PEAK_TFLOPS = {
+    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},
+    "H200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},
+}
+
+
+def configure_backends(cfg: TrainConfig, device: torch.device) -> None:
+    """Host allocator (below); TF32 tensor cores for fp32 matmuls/convolutions on GPU (train.tf32): about 8x
+    an fp32 matmul on A100/H100 at a 10-bit mantissa, which training tolerates."""
+    keep_freed_host_memory()
+    if device.type == "cuda":
+        precision = "tf32" if cfg.tf32 else "ieee"
+        torch.backends.cuda.matmul.fp32_precision = precision
+        torch.backends.cudnn.conv.fp32_precision = precision
+
+
+# glibc's mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+
+
+def keep_freed_host_memory() -> bool:
+    """Let glibc keep freed memory for the next step instead of handing it back to the kernel.
+
+    A training step frees and allocates the same few MB of activations every step. By default glibc trims
+    the heap once a little of its top is free and serves large blocks with fresh mmaps, so every step
+    page-faults that memory in again: about 1,000 faults and 1.5-3 ms of kernel time per step on the CPU
+    baseline (5-10% of the step; see docs/BENCHMARKS.md). Fixed thresholds (blocks up to 32 MiB from the
+    heap, trim only past 1 GiB free) remove that; the cost is that resident memory stays near its peak.
+    Returns False where the C library is not glibc (nothing changed).
+    """
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(M_TRIM_THRESHOLD, 1 << 30))
+
+
+def peak_flops(device: torch.device, precision: str, cfg: TrainConfig) -> float | None:
+    """FLOP/s of one device at this precision: train.peak_tflops, else the PEAK_TFLOPS env var, else the
+    table above for a known GPU; None when unknown (e.g. a CPU without train.peak_tflops)."""
+    if cfg.peak_tflops > 0:
+        return cfg.peak_tflops * 1e12
+    if os.environ.get("PEAK_TFLOPS"):
+        return float(os.environ["PEAK_TFLOPS"]) * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    kind = "bf16" if precision in ("bf16", "fp16") else "tf32" if cfg.tf32 else "fp32"
+    for gpu, peaks in PEAK_TFLOPS.items():
+        if gpu in name:
+            return peaks[kind] * 1e12
+    return None
+
+
+def mfu(flops_per_token: int | None, tokens_per_sec: float, peak: float | None, world_size: int) -> float | None:
+    """Share of the devices' peak FLOP/s the model's training FLOPs used (None when a term is unknown)."""
+    if not flops_per_token or not peak or not tokens_per_sec:
+        return None
+    return flops_per_token * tokens_per_sec / (peak * world_size)
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux /proc), so interpreter start-up and imports count too."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+
+
+class Throughput:
+    """Tokens per second over each log interval, not counting the pauses for evaluation and checkpoints; the
+    steady rate over the whole run leaves out the first interval (compilation, allocator and cache warm-up)."""
+
+    def __init__(self) -> None:
+        self.t_last, self.paused, self.tokens = time.perf_counter(), 0.0, 0
+        self.steady_tokens, self.steady_time = 0, 0.0
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    def pause(self, seconds: float) -> None:
+        self.paused += seconds
+
+    def interval(self, warm: bool) -> tuple[float, float]:
+        """(tokens/s, seconds) of the interval since the last call; `warm` intervals count towards the steady rate."""
+        now = time.perf_counter()
+        elapsed = max(now - self.t_last - self.paused, 1e-9)
+        rate = self.tokens / elapsed
+        if warm:
+            self.steady_tokens, self.steady_time = self.steady_tokens + self.tokens, self.steady_time + elapsed
+        self.t_last, self.paused, self.tokens = now, 0.0, 0
+        return rate, elapsed
+
+    @property
+    def steady_tokens_per_sec(self) -> float | None:
+        return self.steady_tokens / self.steady_time if self.steady_time else None

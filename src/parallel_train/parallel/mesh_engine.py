@@ -1,0 +1,108 @@
+"""The mesh engine: FSDP2, HSDP and tensor parallelism on a device mesh, with plain torch, on CPU and GPU alike.
+
+Runs when parallel.dp_shard > 1 or parallel.tp > 1 (or under an FSDP launch config such as fsdp.yaml) without a
+pipeline; with parallel.pipeline_stages > 1 the multi-process pipeline applies the same cuts to its stages.
+
+Set-up, in order: the device mesh over every process (parallel/mesh.py: dp_replicate x dp_shard x pp x tp), the
+model's tensor-parallel plan on the "tp" axis, torch.compile per block (train.compile), `fully_shard` per block
+and on the root over the data-parallel axes with the run's precision policy (parallel/sharding.py, parallel/precision.py), then
+the optimizer over the sharded parameters. Ranks of one tensor-parallel group read the same batch; each
+data-parallel rank its own slice of the global batch. FSDP2 averages gradients over the data-parallel ranks as
+DDP does, so with the same global batch the steps equal one process's (step.py).
+
+Gradient accumulation: FSDP2 reduce-scatters gradients once per optimizer step, after the last micro-step's
+backward (`set_requires_gradient_sync`); until then each rank keeps the unsharded gradients of the blocks it
+ran, which costs the memory of one whole set of gradients (in the reduce dtype). `parallel.reduce_every_microstep
+=true` reduce-scatters after every micro-step instead: sharded gradients only, but A times the communication.
+
+Accelerate supplies the process group, the device and autocast only. `accelerator.prepare` cannot take a
+`fully_shard` model on CPU (c10d.broadcast_ has no sharding strategy: platform-facts.md), and on GPUs
+accelerate's own FSDP2 would wrap the model a second time; so the same code runs everywhere, gloo or NCCL.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from parallel_train.checkpoint.named_state import RankState
+from parallel_train.config.sections import Config
+from parallel_train.losses import loss_sum
+from parallel_train.models.ties import find_ties
+from parallel_train.parallel.ddp_engine import OptimizerFactory
+from parallel_train.parallel.engine import accumulate
+from parallel_train.parallel.mesh import MeshLayout, build_device_mesh, mesh_summary, share_line
+from parallel_train.parallel.precision import Precision
+from parallel_train.parallel.sharding import clip_grad_norm, local_numel, parallelize, refuse_cut_ties
+
+
+class MeshEngine:
+    """The Engine protocol (parallel/engine.py) over a sharded model; collectives run on every rank."""
+
+    def __init__(
+        self, cfg: Config, accelerator, model: nn.Module, init, make_optimizer: OptimizerFactory, precision: Precision, layout: MeshLayout
+    ):
+        self.cfg, self.accelerator, self.precision, self.layout = cfg, accelerator, precision, layout
+        self.device = accelerator.device
+        rank = accelerator.process_index
+        self.dp_size, self.dp_rank = layout.dp, layout.dp_rank(rank)
+        self.tp_rank = layout.coordinate(rank)["tp"]
+        self.loss_owner = self.tp_rank == 0  # tensor-parallel peers compute the same loss
+        self._flops = model.flops_per_token() if hasattr(model, "flops_per_token") else None
+        total = sum(q.numel() for q in model.parameters())
+        self.ties = find_ties(model)  # one tensor under FSDP2 (one root group holds it); tensor parallelism would cut it apart
+        refuse_cut_ties(model, self.ties, layout.tp)
+        self.mesh = build_device_mesh(layout, self.device.type)
+        policy = precision.fsdp_policy()
+        self.compiled = parallelize(model, self.mesh, layout, mp_policy=policy, compile=cfg.train.compile)
+        init.fill(model, self.device)  # parallel/model_init.py: only now does this rank's slice of each parameter get memory
+        self.model = model
+        self.fsdp = hasattr(model, "set_requires_gradient_sync")  # fully_shard made it an FSDPModule
+        self.autocast = not (self.fsdp and policy is not None)  # FSDP2's policy already computes in bf16/fp16
+        self.loss_fn = torch.compile(loss_sum) if cfg.train.compile else loss_sum
+        self.optimizer = make_optimizer(model)
+        self.params = [q for group in self.optimizer.param_groups for q in group["params"]]
+        self.local_numel = local_numel(model)
+        what = [w for w, on in (("HSDP" if layout.dp_replicate > 1 else "FSDP2", layout.dp > 1), ("tensor parallel", layout.tp > 1)) if on]
+        self.name = f"device mesh ({' + '.join(what)}, plain torch): {share_line(layout, self.local_numel, total)}"
+        if self.fsdp and policy is not None:
+            self.name += f"; FSDP2 mixed precision: parameters gathered and computed in {precision.name}, gradients reduced in fp32"
+
+    def _sync(self, last: bool):
+        """FSDP2 reduce-scatters after the last micro-step only (unless parallel.reduce_every_microstep)."""
+        if self.fsdp:
+            self.model.set_requires_gradient_sync(last or self.cfg.parallel.reduce_every_microstep)
+        return nullcontext()
+
+    def forward_backward(self, micro, scale: torch.Tensor, precision: Precision) -> torch.Tensor:
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            with precision.autocast(self.autocast):
+                return self.model(x)
+
+        return accumulate(micro, forward, self.loss_fn, lambda s: precision.scale(s * scale).backward(), self._sync, self.device)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm(self.params, max_norm)
+
+    def eval_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Every rank runs the forward (FSDP all-gathers, TP all-reduces); tensor-parallel rank 0 reports."""
+        with self.precision.autocast(self.autocast):
+            logits = self.model(x.to(self.device))
+        return logits if self.tp_rank == 0 else None
+
+    def set_training(self, on: bool) -> None:
+        self.model.train(on)
+
+    def flops_per_token(self) -> int | None:
+        return self._flops
+
+    # ---- state: this rank's DTensor shards under canonical names; checkpoints write each once (any topology loads them)
+    def rank_state(self) -> RankState:
+        return RankState(self.model.state_dict(), self.model, self.optimizer, self.ties)
+
+    def finish(self, out: Path) -> dict[str, Any]:
+        return mesh_summary(self.layout, self.local_numel)

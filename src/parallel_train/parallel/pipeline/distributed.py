@@ -1,0 +1,272 @@
+"""Executor 2: one pipeline stage per process, with torch.distributed.pipelining (gloo on CPU, NCCL on GPUs).
+
+The processes form the device mesh of parallel/mesh.py, dp_replicate x dp_shard x pp x tp: with tp = 1, global rank
+r = dp_rank * S + pp_rank, so the stages of one replica are neighbouring ranks (one node when they fit).
+Every rank builds the whole model with the same seed and keeps its stages' parts (the others set to None, so
+parameter names stay canonical); placement.py says which stages (one per rank; looped for the interleaved
+schedules; V-shaped for zbv and dualpipev). With parallel.tp or parallel.dp_shard each stage is then cut like
+a whole model in the mesh engine (parallel/sharding.py: the model's tensor-parallel plan, fully_shard per block):
+pipelines compose with FSDP2, HSDP and tensor parallelism.
+
+Gradient scaling, stated: each micro-batch's loss is its summed token loss times step.py's scale (data-parallel
+ranks / the step's valid tokens), so the gradients add up to those of the per-token mean of the whole
+optimizer step, exactly as in the unsplit model; the schedules' own scaling (scale_grads=True, a division by
+the number of micro-batches) is therefore off. Gradient accumulation is more micro-batches in the same
+schedule step (A x parallel.microbatches, as Megatron-LM counts them): one flush, and one gradient
+reduction per optimizer step. Data parallelism over the replicas goes through FSDP2 on the data-parallel axes
+(sharded stages, or plain replicas that FSDP2 keeps whole and all-reduces like DDP), which the schedule drives
+itself (it reduces after the last micro-batch's backward); clipping uses the global norm: squared norms summed
+over the stages.
+
+The zero-bubble schedules (interleavedzb, zbv, dualpipev) split each backward into the input's gradient (B),
+which the previous stage waits for, and the weights' gradient (W), which fills what would be bubble.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from parallel_train.checkpoint.named_state import RankState
+from parallel_train.config.sections import Config
+from parallel_train.errors import UserError
+from parallel_train.losses import loss_sum
+from parallel_train.models.ties import find_ties
+from parallel_train.parallel.collectives import gather_to_rank0
+from parallel_train.parallel.ddp_engine import OptimizerFactory
+from parallel_train.parallel.mesh import MeshLayout, build_device_mesh, mesh_summary, share_line
+from parallel_train.parallel.pipeline.cost import measure_units
+from parallel_train.parallel.pipeline.placement import V_SHAPED, forward_through, rank_of_stage, stages_of_rank, stages_per_rank
+from parallel_train.parallel.pipeline.split import describe_stages, plan_stages, stage_module
+from parallel_train.parallel.pipeline.tied import TiedAcrossStages
+from parallel_train.parallel.pipeline.timeline import Recorder, write_report
+from parallel_train.parallel.precision import Precision
+from parallel_train.parallel.sharding import clip_grad_norm, local_numel, parallelize, refuse_cut_ties
+
+SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved1f1b": "ScheduleInterleaved1F1B",
+    "interleavedzb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+
+
+def check_layout(cfg: Config, world: int) -> tuple[int, int]:
+    """(stages per rank V, data-parallel replicas D), or a one-line error."""
+    p = cfg.parallel
+    S, M = p.pipeline_stages, p.microbatches
+    if world % S:
+        raise UserError(
+            f"parallel.pipeline_stages={S} does not divide the world size {world}; launch a multiple of {S} processes "
+            f"(stages x data-parallel replicas), e.g. torchrun --nproc-per-node {S} train.py ..."
+        )
+    V = stages_per_rank(p.schedule, p.stages_per_rank)
+    if p.schedule in ("interleaved1f1b", "interleavedzb") and V < 2:
+        raise UserError(f"parallel.stages_per_rank: {p.schedule} needs at least 2 stages per rank; set parallel.stages_per_rank=2")
+    if p.schedule in V_SHAPED and p.stages_per_rank != 2:
+        raise UserError(f"parallel.stages_per_rank={p.stages_per_rank}: {p.schedule} places exactly 2 stages per rank (a V); set it to 2")
+    if cfg.train.batch_size % M:
+        raise UserError(
+            f"train.batch_size={cfg.train.batch_size} is not divisible by parallel.microbatches={M}; "
+            "the micro-batches must be equal for the mean loss to match the unsplit model"
+        )
+    if p.schedule == "1f1b" and M < S:
+        raise UserError(
+            f"parallel.microbatches={M}: 1f1b needs at least one micro-batch per stage ({S}); "
+            "raise parallel.microbatches or use parallel.schedule=gpipe"
+        )
+    least = {"zbv": 2 * S - 1, "dualpipev": 2 * S}.get(p.schedule, 0)
+    if M < least:
+        raise UserError(f"parallel.microbatches={M}: {p.schedule} needs at least {least} micro-batches with {S} pipeline ranks")
+    if p.schedule in ("interleaved1f1b", "interleavedzb") and M % max(1, M // S):
+        raise UserError(
+            f"parallel.microbatches={M}: {p.schedule} needs a multiple of parallel.pipeline_stages={S} (or fewer micro-batches than stages)"
+        )
+    return V, world // (S * p.tp)
+
+
+def _contiguous_input_grads(module, args):
+    """Stages send their input's gradient back to the previous rank, and gloo/NCCL send only contiguous
+    tensors; some layers (a batch-first nn.GRU) produce a transposed gradient, so make it contiguous."""
+    for x in args:
+        if torch.is_tensor(x) and x.requires_grad:
+            x.register_hook(lambda grad: grad.contiguous())
+
+
+class MultiProcessPipelineEngine:
+    """Executor 2: the Engine protocol (parallel/engine.py); collectives run on every rank."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        accelerator,
+        model: nn.Module,
+        init,
+        make_optimizer: OptimizerFactory,
+        precision: Precision,
+        probe,
+        layout: MeshLayout | None = None,
+    ):
+        p = cfg.parallel
+        self.cfg, self.accelerator, self.precision = cfg, accelerator, precision
+        self.device = accelerator.device
+        world, rank = accelerator.num_processes, accelerator.process_index
+        S, M, A = p.pipeline_stages, p.microbatches, cfg.train.gradient_accumulation_steps
+        V, _ = check_layout(cfg, world)
+        self.layout = layout = layout or MeshLayout(dp_replicate=world // S, pp=S)
+        where = layout.coordinate(rank)
+        # M: micro-batches per schedule step, every accumulation micro-step's (see the module docstring)
+        self.S, self.M, self.V, self.world, self.rank = S, M * A, V, world, rank
+        self.dp_size, self.dp_rank, self.pp_rank, self.tp_rank = layout.dp, layout.dp_rank(rank), where["pp"], where["tp"]
+        self.leader = self.dp_rank == 0 and self.tp_rank == 0  # reports this stage's timeline
+
+        self._flops = model.flops_per_token() if hasattr(model, "flops_per_token") else None
+        total = sum(q.numel() for q in model.parameters())
+        ties = find_ties(model)  # the whole model's, before any cut: a stage may hold only the alias (parallel/pipeline/tied.py)
+        refuse_cut_ties(model, ties, layout.tp)
+        measure = measure_units(model, probe, self.device, init)
+        plan = plan_stages(model, S * V, p.split, measure)
+        self.stage_ids = stages_of_rank(self.pp_rank, S, V, p.schedule)  # the placement the schedule expects
+        self.where = rank_of_stage(S, V, p.schedule)
+        # One view holding all this rank's parts (names, optimizer, checkpoints) and one per stage (execution).
+        self.local = stage_module(model, [n for i in self.stage_ids for n in plan[i]])
+        self.stage_mods = [stage_module(model, plan[i]) for i in self.stage_ids]
+        for mod in self.stage_mods:
+            mod.register_forward_pre_hook(_contiguous_input_grads)
+
+        mesh = build_device_mesh(layout, self.device.type)
+        self.pp_group = mesh.get_group("pp")
+        # Each stage cut like a whole model: TP plan, compile per block, FSDP2 over the data-parallel replicas.
+        policy = precision.fsdp_policy()
+        for mod in self.stage_mods:
+            self.compiled = parallelize(mod, mesh, layout, mp_policy=policy, compile=cfg.train.compile, shard_data_parallel=layout.dp > 1)
+        self.autocast = not (layout.dp > 1 and policy is not None)  # FSDP2's policy already computes in bf16/fp16
+        init.fill(self.local, self.device)  # parallel/model_init.py: only this rank's stages (its slices of them) get memory
+        self.ties = ties
+        self.tied = TiedAcrossStages(ties, plan, self.where, layout, rank, self.local)  # creates process groups: every rank
+        self.optimizer = make_optimizer(self.local)
+        self.params = [q for group in self.optimizer.param_groups for q in group["params"]]
+        self.local_numel = local_numel(self.local)
+        self.model = None  # forward runs through the stage views of self.local (no one module to hook)
+        self.recorder = Recorder()
+        self.profile_every = 10 if self.device.type == "cuda" else 1
+        self._steps, self.profiling = 0, False
+        self.is_first, self.is_last = 0 in self.stage_ids, (S * V - 1) in self.stage_ids
+        self.loss_owner = self.is_last and self.tp_rank == 0
+        self._scale, self._sums = torch.ones((), device=self.device), []  # this step's loss scale; its summed losses
+        self.schedule = self._make_schedule(self.M, p.schedule, timed=True)
+
+        self.name = (
+            f"multi-process pipeline (executor 2, torch.distributed.pipelining): {S} stage ranks"
+            + (f" x {V} {'V-shaped' if p.schedule in V_SHAPED else 'interleaved'} stages each" if V > 1 else "")
+            + f", schedule {p.schedule}, {M} micro-batches"
+            + (f" x {A} accumulation = {M * A} per step" if A > 1 else "")
+            + f", {layout.dp} data-parallel replica{'s' if layout.dp > 1 else ''}; "
+            + share_line(layout, self.local_numel, total)
+        )
+        places = [f"rank {self.where[i]}" for i in range(S * V)]
+        accelerator.print(f"[parallel_train] pipeline split: {describe_stages(model, plan, places, measure.seconds)}")
+
+    def _make_schedule(self, n_microbatches: int, name: str, timed: bool = False):
+        """Stages over this rank's modules and the named schedule (scale_grads=False: see the module docstring)."""
+        from torch.distributed.pipelining import PipelineStage, schedules
+
+        n = self.S * self.V
+        stages = [
+            PipelineStage(mod, i, n, self.device, group=self.pp_group) for mod, i in zip(self.stage_mods, self.stage_ids, strict=True)
+        ]
+        for stage in stages if timed else ():
+            stage.forward_one_chunk = self._timed(stage.forward_one_chunk, "F", stage.stage_index)
+            stage.backward_one_chunk = self._timed(stage.backward_one_chunk, "B", stage.stage_index)
+            stage.backward_weight_one_chunk = self._timed(stage.backward_weight_one_chunk, "W", stage.stage_index)
+        schedule_cls = getattr(schedules, SCHEDULES[name])
+        return schedule_cls(stages if self.V > 1 else stages[0], n_microbatches=n_microbatches, loss_fn=self._loss, scale_grads=False)
+
+    def _loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's loss on the last stage, as backward sees it (see the module docstring)."""
+        s = loss_sum(out, y)
+        self._sums.append(s.detach())
+        return self.precision.scale(s * self._scale)
+
+    # ---- timing
+    def _timed(self, fn, kind: str, stage_index: int):
+        def wrapper(chunk_id, *args, **kwargs):
+            if not self.profiling:
+                return fn(chunk_id, *args, **kwargs)
+            t0 = time.time()  # wall clock: comparable across processes (and NTP-synced nodes)
+            result = fn(chunk_id, *args, **kwargs)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.recorder.add(self.pp_rank, stage_index, chunk_id, kind, t0, time.time())
+            return result
+
+        return wrapper
+
+    def forward_backward(self, micro, scale: torch.Tensor, precision: Precision) -> torch.Tensor:
+        """All micro-steps in one schedule step (A x M micro-batches): one flush, one gradient reduction."""
+        x, y = torch.cat([b[0] for b in micro]), torch.cat([b[1] for b in micro])
+        self._scale, self._sums = scale.to(self.device), []
+        self.profiling = self._steps % self.profile_every == 0
+        if self.profiling:
+            self.recorder.start_flush()
+        args = (x.to(self.device),) if self.is_first else ()
+        kwargs = {"target": y.to(self.device), "losses": []} if self.is_last else {}
+        with precision.autocast(self.autocast):
+            self.schedule.step(*args, **kwargs, return_outputs=False)  # the losses are all it needs
+        self.recorder.end_flush()
+        self.profiling = False
+        self._steps += 1
+        # The last M x A calls are the micro-batches: the schedule's first step also calls the loss once on an
+        # uninitialised output, to infer the shapes of the gradients it will send.
+        sums = self._sums[-self.M :]
+        self.tied.sum_gradients()  # the copies of a tied weight on other stages' ranks: one gradient (parallel/pipeline/tied.py)
+        return torch.stack(sums).sum() if sums else torch.zeros((), device=self.device)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The global norm: squared norms of every stage's gradients summed over the pipeline ranks (a tied weight once)."""
+        return clip_grad_norm(self.params, max_norm, self.pp_group, self.tied.not_counted())
+
+    def eval_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Forward only through the stages (placement.forward_through); the last stage's tensor-parallel rank 0
+        reports the logits."""
+        stages = dict(zip(self.stage_ids, self.stage_mods, strict=True))
+        with self.precision.autocast(self.autocast):
+            logits = forward_through(stages, self.where, self.pp_rank, x, self.pp_group, self.device)
+        return logits if logits is not None and self.tp_rank == 0 else None
+
+    def set_training(self, on: bool) -> None:
+        for mod in self.stage_mods:
+            mod.train(on)
+
+    # ---- state: this rank's stages under canonical names (its shards of sharded stages); replicas hold the same,
+    # which checkpoints write once
+    def rank_state(self) -> RankState:
+        return RankState(self.local.state_dict(), self.local, self.optimizer, self.ties)
+
+    def flops_per_token(self) -> int | None:
+        return self._flops
+
+    def finish(self, out: Path) -> dict:
+        """Gather replica 0's measured timelines to rank 0, draw them, report the bubble. A collective."""
+        parts = [p for p in gather_to_rank0(self.recorder.steady() if self.leader else None) if p is not None]
+        if self.rank != 0:
+            return {}
+        n = min(len(p) for p in parts)
+        flushes = [sorted(s for p in parts for s in p[len(p) - n + k]) for k in range(n)]
+        labels = [
+            f"rank {r}"
+            + (
+                f" (stages {', '.join(str(s) for s in stages_of_rank(r, self.S, self.V, self.cfg.parallel.schedule))})"
+                if self.V > 1
+                else ""
+            )
+            for r in range(self.S)
+        ]
+        title = f"multi-process pipeline: {self.S} ranks, schedule {self.cfg.parallel.schedule}, {self.M} micro-batches"
+        report = write_report(flushes, labels, self.M, self.V, out, title, self.accelerator.print, self.cfg.parallel.schedule)
+        return {**mesh_summary(self.layout, self.local_numel), **report}

@@ -1,0 +1,130 @@
+"""Cut a model over the device mesh: tensor parallel by the model's own plan, then FSDP2, with torch's own APIs.
+
+`parallelize` is the one place that decides what each rank holds; the mesh engine, the multi-process pipeline
+(on each stage) and scripts/estimate_memory.py (on a model on the meta device) all call it, so the memory
+estimate counts exactly the parameters a real run holds.
+
+1. Tensor parallel (`parallel.tp`): `parallelize_module(model, mesh["tp"], model.tensor_parallel_plan(tp))`.
+   The plan belongs to the model (models/gpt.py keeps it next to the layers it cuts, as torchtitan does;
+   models/hf.py translates transformers' own plan for the architecture, hf_tensor_parallel.py); parts
+   a pipeline stage does not hold are skipped.
+2. `train.compile`: each block (the FSDP units below) compiled on its own, as torchtitan does.
+3. FSDP2 (`parallel.dp_shard`, with dp_replicate: HSDP): `fully_shard` on every unit the model names
+   (`fsdp_units`: GPT's blocks, a Hugging Face model's decoder layers; one FSDP unit each: only one block's whole
+   weights exist at a time), then on the model itself for the rest (embeddings, final norm, head). Over a TP model this shards the TP slices further (2-D DTensors).
+Parameter names never change, so checkpoints stay those of the unsplit model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel_train.errors import UserError
+from parallel_train.parallel.mesh import MeshLayout, data_parallel_mesh
+from parallel_train.parallel.parts import fsdp_units
+
+
+def tensor_parallel_plan(model: nn.Module, tp: int) -> dict:
+    """The model's plan, restricted to the parts this module holds (a pipeline stage holds a few)."""
+    make_plan = getattr(model, "tensor_parallel_plan", None)
+    if make_plan is None:
+        raise UserError(
+            f"parallel.tp={tp}: {type(model).__name__} has no tensor-parallel plan; give its class a method "
+            "`tensor_parallel_plan(self, tp)` returning {module name: ColwiseParallel() / RowwiseParallel() / ...} "
+            "(see GPT.tensor_parallel_plan in models/gpt.py and docs/parallelism.md), or use parallel.dp_shard instead"
+        )
+    plan = make_plan(tp)
+    return {name: style for name, style in plan.items() if _holds(model, name)}
+
+
+def refuse_cut_ties(model: nn.Module, ties: dict[str, str], tp: int) -> None:
+    """One line where tensor parallelism would cut a tied weight (models/ties.py): `parallelize_module` gives each module
+    in the plan its own sharded parameter, so the names would become separate weights. Checked on the whole model
+    (every rank decides alike), after the model's own plan (an HF model's refusal says how to untie it)."""
+    if tp == 1 or not ties:
+        return
+    plan = tensor_parallel_plan(model, tp)
+    for alias, owner in sorted(ties.items()):
+        cut = [name.rpartition(".")[0] for name in (owner, alias) if any(name.startswith(part + ".") for part in plan)]
+        if cut:
+            raise UserError(
+                f"parallel.tp={tp}: {alias} is {owner} (tied weights), and tensor parallelism would cut {' and '.join(cut)} "
+                "as separate weights; untie them (GPT: model.tie_embeddings=false) or shard with parallel.dp_shard instead"
+            )
+
+
+def _holds(model: nn.Module, name: str) -> bool:
+    try:
+        return model.get_submodule(name) is not None
+    except AttributeError:  # a part set to None by the pipeline splitter, or a block another stage holds
+        return False
+
+
+def parallelize(
+    model: nn.Module,
+    mesh,
+    layout: MeshLayout,
+    mp_policy=None,
+    compile: bool = False,
+    shard_data_parallel: bool | None = None,
+    reshard_after_forward: bool = True,
+) -> str:
+    """Tensor parallel, then torch.compile per block, then FSDP2, in place (torchtitan's order: each block is
+    compiled with its tensor-parallel collectives, and FSDP2's hooks stay outside the compiled code). `mesh` is
+    mesh.build_device_mesh's (all four axes). `mp_policy`: FSDP2's MixedPrecisionPolicy (parallel/precision.py).
+    `shard_data_parallel`: put FSDP2 over the data-parallel axes (default: when the layout shards; a pipeline
+    also asks for it with plain replicas, which FSDP2 then keeps whole and all-reduces like DDP).
+    Returns what was compiled, for the start banner ("" when nothing)."""
+    if layout.tp > 1:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        parallelize_module(model, mesh["tp"], tensor_parallel_plan(model, layout.tp))
+    compiled = ""
+    if compile:
+        # In place (nn.Module.compile): parameter names stay canonical for checkpoints.
+        units = fsdp_units(model) or [model]
+        for unit in units:
+            unit.compile()
+        compiled = "the model" if units[0] is model else f"{len(units)} blocks, each on its own (torch.compile)"
+    if layout.dp > 1 and (layout.sharded if shard_data_parallel is None else shard_data_parallel):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        options = {"mesh": data_parallel_mesh(mesh, layout), "reshard_after_forward": reshard_after_forward}
+        options["mp_policy"] = mp_policy or MixedPrecisionPolicy()
+        for block in fsdp_units(model):
+            fully_shard(block, **options)
+        fully_shard(model, **options)
+    return compiled
+
+
+def local_numel(module: nn.Module) -> int:
+    """Parameter elements this rank holds (its slices of sharded parameters, the whole of the others)."""
+    return sum(q.to_local().numel() if hasattr(q, "to_local") else q.numel() for q in module.parameters())
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, pp_group=None, not_counted: set[int] | None = None) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ over the whole model, for parameters that may be DTensors on different
+    meshes (torch's own needs one mesh), next to plain ones (a Hugging Face plan leaves the norms whole), and split
+    over pipeline stages: squared norms of each mesh's parameters (a DTensor norm, all-reduced by DTensor), of plain
+    ones, then summed over the stages; each group is then scaled by the one total. `not_counted`: ids of parameters
+    clipped but left out of the norm (the other copies of a tied weight, parallel/pipeline/tied.py)."""
+    with_grads = [q for q in params if q.grad is not None]
+    groups: dict[object, list[torch.Tensor]] = {}  # mesh (None: plain tensors) -> its parameters
+    for q in with_grads:
+        groups.setdefault(getattr(q.grad, "device_mesh", None), []).append(q)
+    device = with_grads[0].device if with_grads else torch.device("cpu")
+    sq = torch.zeros((), device=device, dtype=torch.float32)
+    for group in groups.values():
+        counted = [q.grad for q in group if not not_counted or id(q) not in not_counted]
+        if not counted:
+            continue
+        norm = torch.nn.utils.get_total_norm(counted, 2.0)
+        sq += (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).float().pow(2)
+    if pp_group is not None:
+        dist.all_reduce(sq, group=pp_group)
+    total = sq.sqrt()
+    for group in groups.values():  # one mesh at a time: torch's foreach ops refuse DTensors mixed with plain tensors
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total

@@ -1,0 +1,139 @@
+"""The output folder: checked before anything is written, and held by one run at a time.
+
+Two launches into one output_dir (a SLURM requeue while the old job still runs, a command started twice) would
+delete each other's temporary checkpoints and interleave metrics.jsonl. So the process that writes the shared
+files (the main process) takes an exclusive lock on `output_dir/.lock` with flock(2) before the run reads or
+writes anything there, and holds it to the end:
+
+- the OS releases it when the process dies, however it dies: a crash leaves no stale lock (the file may stay;
+  a later run takes it over);
+- the file records the holder's host, pid and start time, so a second launch stops in one line naming it;
+- a clean end, and an error, remove the file (while still holding the lock, so no third run can lose a race).
+
+On a file system without locks (Lustre mounted without `-o flock`, NFS mounted with `nolock`) flock fails: the run
+says in one line that nothing stops a second run, and goes on. What flock does on NFS and Lustre:
+docs/reliability.md#one-run-per-output_dir.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from parallel_train.config.sections import Config
+from parallel_train.errors import UserError
+from parallel_train.parallel.collectives import from_rank0
+
+RUN_FILES = ("metrics.jsonl", "summary.json", "model.safetensors")
+LOCK = ".lock"
+NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # flock unsupported by this file system
+
+
+def check_output_dir(cfg: Config) -> Path:
+    """Refuse an output_dir that is a file, not writable, or holds a run we would overwrite."""
+    out = Path(cfg.output_dir)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"output_dir: {cfg.output_dir!r} is a file; give a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{time.monotonic_ns()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"output_dir: {cfg.output_dir!r} is not writable ({e.strerror})") from None
+    if cfg.resume == "none" and any((out / f).exists() for f in RUN_FILES):
+        raise UserError(f"output_dir: {cfg.output_dir!r} already holds a run; continue it with resume=auto or choose a new output_dir")
+    return out
+
+
+class RunLock:
+    """The main process's hold on output_dir (see the module docstring). `release` is idempotent."""
+
+    def __init__(self, path: Path, fd: int | None):
+        self.path, self.fd = path, fd
+
+    @classmethod
+    def take(cls, out: Path) -> tuple[RunLock, str | None]:
+        """(the lock, None) or (an empty lock, why not: 'busy: <holder>' or 'unsupported: <reason>')."""
+        path = out / LOCK
+        for _ in range(20):  # another run may remove the file between our open and our flock: then try again
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno in NO_LOCKS:  # no lock, but the file still says who runs here; removed at the end as usual
+                    _record(fd)
+                    return cls(path, fd), f"unsupported: {e.strerror}"
+                holder = _holder(fd)
+                os.close(fd)
+                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    return cls(path, None), f"busy: {holder}"
+                raise
+            if _same_file(fd, path):
+                _record(fd)
+                return cls(path, fd), None
+            os.close(fd)
+        raise UserError(f"output_dir: could not lock {path}: it keeps being replaced; is another run starting and stopping there?")
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        if _same_file(self.fd, self.path):
+            self.path.unlink(missing_ok=True)  # before the unlock: a run waiting on this file then sees it replaced
+        os.close(self.fd)
+        self.fd = None
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _record(fd: int) -> None:
+    """Who holds the lock, for the message of a second launch. Best effort: the lock itself is what counts."""
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime())
+    text = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": started}).encode()
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, text, 0)
+        os.fsync(fd)
+    except OSError:
+        pass
+
+
+def _holder(fd: int) -> str:
+    try:
+        held = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return f"host {held['host']}, pid {held['pid']}, started {held['started']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "its lock file holds no details yet"
+
+
+def lock_output_dir(out: Path, main: bool, notice) -> RunLock:
+    """The main process takes output_dir's lock; every rank learns the outcome and raises the same error when
+    another run holds it. A collective. Nothing has been read from or written to output_dir before this."""
+    lock, why = RunLock(out / LOCK, None), None
+    if main:
+        try:
+            lock, why = RunLock.take(out)
+        except (UserError, OSError) as e:  # every rank must hear of it, or the others would wait for rank 0
+            why = f"error: {e}"
+    why = from_rank0(why)
+    if why and why.startswith("error: "):
+        raise UserError(why[7:] if why.startswith("error: output_dir") else f"output_dir: cannot lock {out / LOCK} ({why[7:]})")
+    if why and why.startswith("busy: "):
+        raise UserError(
+            f"output_dir: {out} is in use by another run ({why[6:]}; lock {out / LOCK}): wait for it to end or stop it, "
+            "or choose another output_dir"
+        )
+    if why:
+        notice(f"warning: output_dir {out} cannot be locked ({why[13:]}): nothing stops a second run from writing there")
+    return lock

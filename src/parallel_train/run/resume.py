@@ -1,0 +1,82 @@
+"""Which checkpoint a run continues from: one choice, made by rank 0 and taken by every rank.
+
+The choice is made after the process group exists. Rank 0 lists `checkpoints/` and tries them newest first;
+every rank takes its list, so ranks that list the folder differently (a stale NFS directory cache on another
+node) can no longer resume from different steps and hang later. Each candidate is verified by all ranks
+together (checkpoint_manifest.verify_spread): rank 0 checks the layout and refuses pickles, each rank hashes only
+its share of the files, and every rank checks that it sees every file. A rank that cannot see a file of the
+chosen checkpoint stops the run with one line naming that rank and the file, on every rank at once.
+
+`resume=auto` never starts a run over: when `checkpoints/` holds checkpoints and none of them verifies, the run
+stops with one line naming each one and what is wrong with it, and nothing in output_dir is deleted or written.
+With no checkpoint at all (a first launch, or a run killed before its first save) it starts fresh.
+
+Works without a process group too (scripts, one process): rank 0 is then every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch.distributed as dist
+
+from parallel_train.checkpoint.checkpointer import list_checkpoints
+from parallel_train.checkpoint.manifest import MANIFEST, verify_spread
+from parallel_train.errors import UserError
+from parallel_train.parallel.collectives import from_rank0
+
+
+def rank_and_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def candidates(resume: str, root: Path) -> tuple[list[Path], bool]:
+    """Rank 0: the checkpoints to try, newest first, and whether the user named one (then it must verify)."""
+    if resume == "auto":
+        return list(reversed(list_checkpoints(root))), False
+    path = Path(resume)
+    if not path.exists():
+        raise UserError(f"resume: no such checkpoint {resume!r}; use resume=auto, resume=none or a checkpoints/step_* folder")
+    if path.is_dir() and not (path / MANIFEST).exists() and list_checkpoints(path / "checkpoints"):
+        return list(reversed(list_checkpoints(path / "checkpoints"))), False  # a run folder: its newest valid one
+    if not path.is_dir():
+        raise UserError(f"resume: {resume!r} is not a valid checkpoint (not a folder)")
+    return [path], True
+
+
+def choose_checkpoint(resume: str, root: Path, warn: Callable[[str], None]) -> Path | None:
+    """`none` -> None; `auto` -> the newest checkpoint in `root` that verifies, None when there is none, an error
+    when there are some and none verifies; a path -> that checkpoint (or a run folder's newest), verified.
+    A collective: every rank calls it and gets the same answer, or the same UserError."""
+    if resume == "none":
+        return None
+    rank, world = rank_and_world()
+    plan: dict | None = None
+    if rank == 0:
+        try:
+            paths, named = candidates(resume, root)
+            plan = {"paths": [str(p) for p in paths], "named": named}
+        except UserError as e:
+            plan = {"error": str(e)}
+    plan = from_rank0(plan)
+    if "error" in plan:
+        raise UserError(plan["error"])
+    skipped: list[tuple[Path, str]] = []
+    for path in map(Path, plan["paths"]):
+        problem = verify_spread(path, rank, world)
+        if problem is None:
+            for older, why in skipped:  # said only when the run goes on: otherwise the error line names them all
+                warn(f"skipping checkpoint {older}: {why}")
+            return path
+        if plan["named"]:
+            raise UserError(f"resume: {resume!r} is not a valid checkpoint ({problem})")
+        skipped.append((path, problem))
+    if skipped:
+        where, each = Path(plan["paths"][0]).parent, "; ".join(f"{p.name}: {why}" for p, why in skipped)
+        raise UserError(
+            f"resume=auto: no checkpoint in {where} verifies ({each}), so the run does not start over: "
+            "continue from a checkpoint you trust with resume=PATH, or start afresh with a new output_dir; "
+            "nothing in output_dir was changed"
+        )
+    return None
