@@ -56,7 +56,7 @@ def load_on_one_process(folder: Path, model: torch.nn.Module, expected_file: Pat
     assert sorted(loaded) == sorted(expected)
     for key, value in expected.items():
         assert torch.equal(loaded[key], value), key
-    exported = load_weights(folder)  # what scripts/export_weights.py writes: the model's whole weights
+    exported = load_weights(folder)  # what scripts/export.py writes: the model's whole weights
     assert sorted(exported) == sorted(model.state_dict()) and all(torch.equal(exported[k], expected[f"model/{k}"]) for k in exported)
     return optimizer
 
@@ -146,7 +146,7 @@ def test_a_checkpoint_of_the_earlier_format_is_refused_in_one_line(ref1, tmp_pat
 
 
 def test_export_script_writes_the_runs_final_weights(ref1, tmp_path):
-    script = [PYTHON, "scripts/export_weights.py"]
+    script = [PYTHON, "scripts/export.py"]
     check(run([*script, str(ref1), str(tmp_path / "one")], env=launch_env(tmp_path), timeout=120))
     assert same_bytes(tmp_path / "one", ref1)  # the run's model.safetensors is the export of its last checkpoint
     step3 = ref1 / "checkpoints" / "step_0000003"
@@ -231,9 +231,9 @@ def test_planted_pickles_of_every_protocol_never_run(ref1, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_bench_checkpoint_script_end_to_end(tmp_path):
-    """scripts/bench_checkpoint.py on a tiny model: every row of the table, and train.py's summary figures."""
+    """scripts/bench/checkpoint.py on a tiny model: every row of the table, and train.py's summary figures."""
     out = tmp_path / "bench"
-    cmd = [PYTHON, "scripts/bench_checkpoint.py", "--layers", "1", "--width", "64", "--vocab", "64", "--repeats", "1", "--saves", "1"]
+    cmd = [PYTHON, "scripts/bench/checkpoint.py", "--layers", "1", "--width", "64", "--vocab", "64", "--repeats", "1", "--saves", "1"]
     check(run([*cmd, "--out", str(out)], env=launch_env(tmp_path), timeout=900))
     table = (out / "bench_checkpoint.md").read_text()
     for row in (

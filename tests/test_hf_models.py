@@ -296,7 +296,7 @@ def assert_same_training(out, ref, atol=1e-4):
 @pytest.mark.multiprocess
 def test_ddp_two_processes_equal_one_then_export_and_sample(folders, reference):
     """2 processes x batch 2 = the reference's 4 samples per step. The run's hf/ folder loads in transformers with
-    the logits of its model.safetensors, the sampler generates from the run, and scripts/export_hf.py exports a
+    the logits of its model.safetensors, the sampler generates from the run, and scripts/export.py --format hf exports a
     checkpoint."""
     out, env = reference / "ddp", launch_env(reference)
     result = check(run(torchrun_cmd(2, *RUN, "train.batch_size=2", f"model.hf_path={folders['llama']}", f"output_dir={out}"), env=env))
@@ -316,7 +316,7 @@ def test_ddp_two_processes_equal_one_then_export_and_sample(folders, reference):
     assert trained.vocab.decode(ids[0].tolist()).startswith("ROMEO:") and ids.shape == (1, len(prompt) + 20)
     step3, folder = out / "checkpoints" / "step_0000003", reference / "step3_hf"  # any checkpoint exports the same way
     assert (step3 / "shards").is_dir() and not (step3 / "model.safetensors").exists()  # each rank's part, by name
-    check(run([PYTHON, "scripts/export_hf.py", str(step3), str(folder), "--dtype", "bfloat16"], env=env))
+    check(run([PYTHON, "scripts/export.py", str(step3), str(folder), "--format", "hf", "--dtype", "bfloat16"], env=env))
     exported = transformers.AutoModelForCausalLM.from_pretrained(folder)
     assert exported.dtype == torch.bfloat16 and exported.config.dtype == torch.bfloat16
     weights = load_weights(step3)  # the checkpoint's model tensors, assembled from the shards

@@ -1,6 +1,6 @@
 """Speed features, MFU, byte/synthetic data, and the benchmark scripts (issue 6).
 
-Speed itself is measured by scripts/benchmark.py and recorded in docs/BENCHMARKS.md, never asserted here.
+Speed itself is measured by scripts/bench/benchmark.py and recorded in docs/BENCHMARKS.md, never asserted here.
 """
 
 from __future__ import annotations
@@ -170,15 +170,15 @@ def test_compile_switch_trains_like_eager(tmp_path):
 
 @pytest.mark.slow
 def test_benchmark_cli_and_bare_loop_match_train_py(tmp_path):
-    """`benchmark.py --help`, then a micro run: the bare loop and train.py see the same batches."""
-    r = check(run([PYTHON, "scripts/benchmark.py", "--help"], timeout=60))
+    """`bench/benchmark.py --help`, then a micro run: the bare loop and train.py see the same batches."""
+    r = check(run([PYTHON, "scripts/bench/benchmark.py", "--help"], timeout=60))
     assert "--quick" in r.stdout and "--update-docs" in r.stdout
-    bad = run([PYTHON, "scripts/benchmark.py", "--cells", "nope"], timeout=60)
+    bad = run([PYTHON, "scripts/bench/benchmark.py", "--cells", "nope"], timeout=60)
     assert bad.returncode == 2 and "unknown cells" in bad.stderr
     out = tmp_path / "bench"
     check(
         run(
-            [PYTHON, "scripts/benchmark.py", "--cells", "bare,template", "--steps", "20", "--repeats", "1", "--out", str(out)],
+            [PYTHON, "scripts/bench/benchmark.py", "--cells", "bare,template", "--steps", "20", "--repeats", "1", "--out", str(out)],
             env=launch_env(tmp_path),
             timeout=600,
         )
@@ -193,13 +193,13 @@ def test_benchmark_cli_and_bare_loop_match_train_py(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_gpu_bench_dry_run_end_to_end(tmp_path):
-    """scripts/gpu_bench.sh --dry-run on CPU: environment check, 1 and 2 processes, bf16 and fp32, the table."""
+    """scripts/bench/gpu_bench.sh --dry-run on CPU: environment check, 1 and 2 processes, bf16 and fp32, the table."""
     out = tmp_path / "gpu_bench"
     env = launch_env(tmp_path, COMPILE_MODES="false", PYTHON=PYTHON)  # compile rows: see the slow test above
-    r = check(run(["bash", "scripts/gpu_bench.sh", "--dry-run", "--out", str(out)], env=env, timeout=600))
+    r = check(run(["bash", "scripts/bench/gpu_bench.sh", "--dry-run", "--out", str(out)], env=env, timeout=600))
     assert "== environment" in r.stdout and "DRY RUN" in r.stdout
     cells = json.loads((out / "gpu_bench.json").read_text())["cells"]
     assert {(c["devices"], c["precision"]) for c in cells} == {(1, "bf16"), (1, "no"), (2, "bf16"), (2, "no")}
     assert all(c["status"] == "ok" and c["tokens_per_sec"] > 0 for c in cells)
     assert (out / "gpu_bench.md").read_text().count("| ok |") == 4
-    assert os.access(REPO / "scripts" / "gpu_bench.sh", os.X_OK)
+    assert os.access(REPO / "scripts" / "bench/gpu_bench.sh", os.X_OK)

@@ -6,7 +6,7 @@ and `AutoTokenizer.from_pretrained` load.
     output_dir/hf/generation_config.json    when the model has one
     output_dir/hf/tokenizer.json, ...       the run's tokenizer, where it has a Hugging Face form
 
-The trainer writes it at the end of a model.name=hf run; scripts/export_hf.py writes it from any run or
+The trainer writes it at the end of a model.name=hf run; scripts/export.py --format hf writes it from any run or
 checkpoint. The weights are the template's canonical state dict, which for this model already carries the
 transformers names, so nothing is renamed: the model is built on the meta device (no memory, no random init),
 the weights are assigned to it, and `save_pretrained` writes them (sharded above 5 GB, the tied weight once).

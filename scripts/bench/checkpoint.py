@@ -2,9 +2,9 @@
 """Checkpoint saves of a ~100M-parameter GPT on several processes: gathered (the format before sharded saves) vs
 sharded vs sharded in the background. Time the training loop is blocked, and rank 0's extra host memory.
 
-    python scripts/bench_checkpoint.py                    2 CPU processes, 12 x 768 GPT, vocab 8192 (98M parameters)
-    python scripts/bench_checkpoint.py --update-docs      also put the table into docs/BENCHMARKS.md
-    python scripts/bench_checkpoint.py --layers 2 --width 128 --repeats 1      a quick try
+    python scripts/bench/checkpoint.py                    2 CPU processes, 12 x 768 GPT, vocab 8192 (98M parameters)
+    python scripts/bench/checkpoint.py --update-docs      also put the table into docs/BENCHMARKS.md
+    python scripts/bench/checkpoint.py --layers 2 --width 128 --repeats 1      a quick try
 
 Each (mode, repeat) is a fresh `torchrun` launch of this script (`--worker`): every rank builds the same model
 with AdamW, takes one optimizer step (so the optimizer state exists), then saves `--saves` times. A DDP run's
@@ -40,10 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))  # run from a clone, no install step
+from common import REPO, update_docs
 
-DOC = REPO / "docs" / "BENCHMARKS.md"
 DOC_START, DOC_END = "<!-- bench_checkpoint:start -->", "<!-- bench_checkpoint:end -->"
 MODES = ("gathered", "sharded", "async")
 SHARDINGS = {"ddp": "DDP (replicated)", "fsdp": "FSDP2 (sharded)"}
@@ -260,12 +258,6 @@ def table(runs: list[dict], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def update_docs(text: str) -> None:
-    doc = DOC.read_text()
-    start, end = doc.index(DOC_START) + len(DOC_START), doc.index(DOC_END)
-    DOC.write_text(doc[:start] + "\n" + text + "\n" + doc[end:])
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--nproc", type=int, default=2, help="processes (torchrun --nproc-per-node)")
@@ -299,11 +291,11 @@ def main() -> None:
         runs.append(train_py(background, interval, args, args.out))
         print(f"train.py checkpoint.async={background} checkpoint.interval={interval} done", flush=True)
     (args.out / "bench_checkpoint.json").write_text(json.dumps(runs, indent=1))
-    text = table(runs, args) + f"\n\nCommand: `python scripts/bench_checkpoint.py{' ' + ' '.join(sys.argv[1:]) if sys.argv[1:] else ''}`."
+    text = table(runs, args) + f"\n\nCommand: `python scripts/bench/checkpoint.py{' ' + ' '.join(sys.argv[1:]) if sys.argv[1:] else ''}`."
     (args.out / "bench_checkpoint.md").write_text(text + "\n")
     print(text)
     if args.update_docs:
-        update_docs(text.replace(" --update-docs", ""))
+        update_docs(text.replace(" --update-docs", ""), DOC_START, DOC_END)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Start memory of a ~300M-parameter GPT: one process against FSDP2 over 2 and 4 CPU processes (torchrun).
 
-    python scripts/bench_start.py                  24 x 1024 GPT (302M parameters), 1 step per launch
-    python scripts/bench_start.py --update-docs    also put the table into docs/BENCHMARKS.md
-    python scripts/bench_start.py --repo DIR       measure another checkout of the template (e.g. before a change)
+    python scripts/bench/start.py                  24 x 1024 GPT (302M parameters), 1 step per launch
+    python scripts/bench/start.py --update-docs    also put the table into docs/BENCHMARKS.md
+    python scripts/bench/start.py --repo DIR       measure another checkout of the template (e.g. before a change)
 
 Every launch trains one optimizer step (AdamW, so its state exists) and reports from rank 0's summary.json:
 the peak RSS when the first step is done (`peak_memory_at_first_step_mb`: the model built, cut, filled, one step
@@ -19,14 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-DOC = REPO / "docs" / "BENCHMARKS.md"
+from common import REPO, free_port, update_docs
+
 START, END = "<!-- start_memory:start -->", "<!-- start_memory:end -->"
 COMMON = (
     "model.n_head=16",
@@ -42,12 +41,6 @@ COMMON = (
     "resume=none",
 )
 BIG, TINY = ("model.n_layer=24", "model.n_embd=1024"), ("model.n_layer=2", "model.n_embd=64")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(repo: Path, processes: int, model: tuple[str, ...], tmp: Path) -> dict:
@@ -97,21 +90,12 @@ def table(rows: dict[str, dict], fixed: float, params: int) -> str:
     )
 
 
-def update_docs(text: str) -> None:
-    doc = DOC.read_text()
-    if START not in doc:
-        sys.exit(f"{DOC}: no {START} marker; add the section first")
-    head, rest = doc.split(START, 1)
-    DOC.write_text(f"{head}{START}\n{text}\n{END}{rest.split(END, 1)[1]}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repo", type=Path, default=REPO, help="the checkout whose train.py runs")
     parser.add_argument("--layouts", default="1,2,4", help="processes per launch (1: one process; N: dp_shard=N)")
     parser.add_argument("--update-docs", action="store_true")
     a = parser.parse_args()
-    sys.path.insert(0, str(REPO / "src"))
     from parallel_train.models.gpt import GPT, GPTConfig
     from parallel_train.parallel.model_init import parameters_on_meta
 
@@ -128,7 +112,7 @@ def main() -> None:
     text = table(rows, fixed, params)
     print(text)
     if a.update_docs:
-        update_docs(text)
+        update_docs(text, START, END)
 
 
 if __name__ == "__main__":

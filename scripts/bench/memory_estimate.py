@@ -2,8 +2,8 @@
 """The memory estimator against a measurement: two real training steps of one process, its peak of live
 tensor memory, beside scripts/estimate_memory.py's total for the same keys.
 
-    python scripts/check_memory_estimate.py model.n_layer=4 model.n_embd=256 model.n_head=4 model.block_size=256 train.batch_size=8
-    python scripts/check_memory_estimate.py --config configs/gpt2_124m.yaml train.batch_size=4   # on a GPU
+    python scripts/bench/memory_estimate.py model.n_layer=4 model.n_embd=256 model.n_head=4 model.block_size=256 train.batch_size=8
+    python scripts/bench/memory_estimate.py --config configs/gpt2_124m.yaml train.batch_size=4   # on a GPU
 
 On a GPU the measurement is torch.cuda.max_memory_allocated over the second step; on the CPU, where torch keeps
 no allocator statistics, torch's own MemTracker (torch.distributed._tools.mem_tracker: every tensor storage
@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run from a clone, no install step
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))  # run from a clone, no install step
 
 from parallel_train.errors import run_cli  # noqa: E402
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Data at scale, measured: memory and start-up against corpus size, prepare throughput, data wait per step.
 
-    python scripts/bench_data.py                     all three tables (about 25 minutes on 2 cores; 6 GB of disk under /tmp)
-    python scripts/bench_data.py --tables rss --sizes 10,100
-    python scripts/bench_data.py --update-docs       also write the tables into docs/BENCHMARKS.md
-    python scripts/bench_data.py --bpc runs/shakespeare_bpe runs/default     val loss in bits per character
+    python scripts/bench/data.py                     all three tables (about 25 minutes on 2 cores; 6 GB of disk under /tmp)
+    python scripts/bench/data.py --tables rss --sizes 10,100
+    python scripts/bench/data.py --update-docs       also write the tables into docs/BENCHMARKS.md
+    python scripts/bench/data.py --bpc runs/shakespeare_bpe runs/default     val loss in bits per character
 
 1. rss: corpora of 10 MB, 100 MB, 1 GB (Tiny Shakespeare repeated) under --work. Each is trained on for 5 steps
    in a fresh `python train.py` (the baseline GPT), once by today's in-memory path (data.path=FILE) and once
@@ -35,9 +35,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from common import DOC, REPO, update_docs
+
 PYTHON = sys.executable
-DOC = REPO / "docs" / "BENCHMARKS.md"
 DOC_START, DOC_END = "<!-- bench_data:start -->", "<!-- bench_data:end -->"
 STEPS5 = ("train.max_steps=5", "eval.iters=10", "checkpoint.interval=0", "tracker=none", "resume=none", "train.log_interval=5")
 
@@ -346,14 +346,6 @@ def bits_per_char(run_dir: Path) -> str:
 # ---------------------------------------------------------------- main
 
 
-def update_docs(text: str) -> None:
-    doc = DOC.read_text()
-    if DOC_START not in doc or DOC_END not in doc:
-        raise SystemExit(f"{DOC} lacks the {DOC_START} / {DOC_END} markers")
-    head, rest = doc.split(DOC_START, 1)
-    DOC.write_text(head + DOC_START + "\n" + text + "\n" + rest[rest.index(DOC_END) :])
-
-
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--nanogpt-worker":
         documents, tokenizer, procs, out = sys.argv[2:6]
@@ -387,7 +379,7 @@ def main() -> None:
                 if p.name != "bench_data.json":
                     shutil.rmtree(p) if p.is_dir() else p.unlink()
     parts = [
-        f"Measured {started} by `python scripts/bench_data.py --tables {args.tables}` ({os.cpu_count()} cores; load = 1-minute load average)."
+        f"Measured {started} by `python scripts/bench/data.py --tables {args.tables}` ({os.cpu_count()} cores; load = 1-minute load average)."
     ]
     if "rss" in results:
         parts.append(format_rss(results["rss"]))
@@ -398,7 +390,7 @@ def main() -> None:
     text = "\n\n".join(parts)
     print(text)
     if args.update_docs:
-        update_docs(text)
+        update_docs(text, DOC_START, DOC_END)
 
 
 if __name__ == "__main__":

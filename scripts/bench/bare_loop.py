@@ -3,16 +3,16 @@
 
 Same config keys, same model class, same initial weights, same batches (the template's global batch
 order), same AdamW groups and learning-rate schedule, same gradient clipping as `train.py`; no
-Accelerate, no DataLoader, no evaluation, no checkpoints, no trackers. `scripts/benchmark.py` runs it
+Accelerate, no DataLoader, no evaluation, no checkpoints, no trackers. `scripts/bench/benchmark.py` runs it
 side by side with `train.py` to measure what the template costs. Character corpus only. Under torchrun it
 is a bare DDP loop (plain torch DDP over gloo): the floor for data-parallel scaling on this machine; with
 --mode fsdp a bare FSDP2 loop (`fully_shard` per block and on the root), with --mode tp a bare tensor-parallel
-loop (`parallelize_module` with the model's own plan; every rank reads the same batch), for scripts/bench_mesh.py.
+loop (`parallelize_module` with the model's own plan; every rank reads the same batch), for scripts/bench/mesh.py.
 
-    python scripts/bare_loop.py --config configs/shakespeare_char_cpu.yaml train.max_steps=300
-    torchrun --nproc-per-node 2 scripts/bare_loop.py --config configs/shakespeare_char_cpu.yaml
-    torchrun --nproc-per-node 2 scripts/bare_loop.py --mode fsdp ...      (or --mode tp)
-    python scripts/bare_loop.py --keep-freed-memory ...   with the template's malloc setting (observe/perf.py)
+    python scripts/bench/bare_loop.py --config configs/shakespeare_char_cpu.yaml train.max_steps=300
+    torchrun --nproc-per-node 2 scripts/bench/bare_loop.py --config configs/shakespeare_char_cpu.yaml
+    torchrun --nproc-per-node 2 scripts/bench/bare_loop.py --mode fsdp ...      (or --mode tp)
+    python scripts/bench/bare_loop.py --keep-freed-memory ...   with the template's malloc setting (observe/perf.py)
 
 Prints one JSON line: steady-state tokens/s (first log interval left out, as train.py does) and the
 loss at every log step (these match train.py's metrics.jsonl: same data, same arithmetic; under DDP
@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

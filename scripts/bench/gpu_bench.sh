@@ -3,9 +3,9 @@
 # on one GPU and, where the machine has more, on all of them (torchrun, DDP over NCCL). Writes a markdown
 # table (tokens/s, MFU, step time, peak memory, time to first step) and a JSON file.
 #
-#   bash scripts/gpu_bench.sh                       on a GPU machine: about 10 minutes on one H100/H200
-#   bash scripts/gpu_bench.sh --dry-run             anywhere: tiny model, a few steps, on CPU (1 and 2 processes)
-#   bash scripts/gpu_bench.sh --steps 100 --out runs/gpu_bench
+#   bash scripts/bench/gpu_bench.sh                       on a GPU machine: about 10 minutes on one H100/H200
+#   bash scripts/bench/gpu_bench.sh --dry-run             anywhere: tiny model, a few steps, on CPU (1 and 2 processes)
+#   bash scripts/bench/gpu_bench.sh --steps 100 --out runs/gpu_bench
 #
 # Environment: PYTHON (default .venv/bin/python, else python3), COMPILE_MODES (default "false true"),
 # PRECISIONS (default "bf16 no"; "no" is fp32 with TF32 matmuls), GPU_COUNTS (default "1 N", N = GPUs found),
@@ -14,7 +14,7 @@
 # MFU uses the peak of the GPU from src/parallel_train/observe/perf.py (A100/H100/H200); set PEAK_TFLOPS for others.
 set -euo pipefail
 
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 DRY_RUN=0
 STEPS=""
 OUT=runs/gpu_bench

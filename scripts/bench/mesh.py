@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """The device mesh on CPU: tokens/s and peak RSS of 2 ranks as DDP, FSDP2 and tensor parallel, each next to the
-bare torch loop that does the same without the template (scripts/bare_loop.py --mode ddp|fsdp|tp: torch DDP,
+bare torch loop that does the same without the template (scripts/bench/bare_loop.py --mode ddp|fsdp|tp: torch DDP,
 `fully_shard`, `parallelize_module`).
 
-    python scripts/bench_mesh.py                        3 repeats x 3 modes x 2 runners, 10-25 minutes
-    python scripts/bench_mesh.py --repeats 5 --steps 60 --modes fsdp tp
-    python scripts/bench_mesh.py --update-docs          also write the table into docs/BENCHMARKS.md
+    python scripts/bench/mesh.py                        3 repeats x 3 modes x 2 runners, 10-25 minutes
+    python scripts/bench/mesh.py --repeats 5 --steps 60 --modes fsdp tp
+    python scripts/bench/mesh.py --update-docs          also write the table into docs/BENCHMARKS.md
 
 Model: 8 layers x 512 wide (8 heads, 25M parameters), context 64, batch 4 per data-parallel rank, fp32, one
 thread per process, Tiny Shakespeare. Each figure is a real launch with torchrun; steady-state tokens/s (the
@@ -14,7 +14,7 @@ runs each mode's bare loop and train.py back to back (a pair): the ratio templat
 per-pair ratios, so a change in machine load between repeats hits both sides of a pair alike. The 1-minute
 load average is recorded per pair (it counts the benchmark's own two processes). Peak RSS is rank 0's. The bare
 loop runs with the template's one host-side setting (--keep-freed-memory, glibc keeps freed blocks: observe/perf.py),
-as benchmark.py's bare_malloc cell does: without it the two differ by the allocator, not by the framework
+as bench/benchmark.py's bare_malloc cell does: without it the two differ by the allocator, not by the framework
 (freed blocks kept resident raise the template's RSS; fewer page faults can make it faster).
 Tensor parallel: both ranks work on the same batch, so its tokens/s count one batch per step (data parallel:
 one per rank).
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,9 +32,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from common import DOC, REPO, free_port, update_docs
+
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
-DOC = REPO / "docs" / "BENCHMARKS.md"
 SECTION = "## Device mesh on CPU: DDP, FSDP2, tensor parallel"
 START, END = "<!-- mesh:start -->", "<!-- mesh:end -->"
 MODEL = (
@@ -52,18 +51,12 @@ KEYS = {"ddp": (), "fsdp": ("parallel.dp_shard=2",), "tp": ("parallel.tp=2",)}
 NAMES = {"ddp": "DDP", "fsdp": "FSDP2 (dp_shard 2)", "tp": "tensor parallel (tp 2)"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(runner: str, mode: str, steps: int, tmp: Path) -> dict:
     common = (*MODEL, f"train.max_steps={steps}", f"train.lr_decay_steps={steps}", f"train.log_interval={max(1, steps // 6)}")
     torchrun = [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port())]
     out = tmp / f"{runner}_{mode}_{time.monotonic_ns()}"
     if runner == "bare":
-        cmd = [*torchrun, "scripts/bare_loop.py", "--keep-freed-memory", "--mode", mode, *common]
+        cmd = [*torchrun, "scripts/bench/bare_loop.py", "--keep-freed-memory", "--mode", mode, *common]
     else:
         cmd = [*torchrun, "train.py", *common, *TEMPLATE_ONLY, *KEYS[mode], f"output_dir={out}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp), WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
@@ -100,16 +93,6 @@ def table(cells: dict, modes: list[str], steps: int, repeats: int, loads: dict, 
     return "\n".join(lines)
 
 
-def update_docs(text: str) -> None:
-    block = f"{START}\n{text}\n{END}"
-    doc = DOC.read_text()
-    if START in doc:
-        doc = doc[: doc.index(START)] + block + doc[doc.index(END) + len(END) :]
-    else:
-        doc = doc.rstrip("\n") + f"\n\n{SECTION}\n\n{block}\n"
-    DOC.write_text(doc)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modes", nargs="+", default=["ddp", "fsdp", "tp"], choices=list(KEYS))
@@ -117,7 +100,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--update-docs", action="store_true")
     args = ap.parse_args()
-    command = "python scripts/bench_mesh.py " + " ".join(sys.argv[1:])
+    command = "python scripts/bench/mesh.py " + " ".join(sys.argv[1:])
     cells: dict[tuple[str, str], list[dict]] = {(r, m): [] for r in ("bare", "template") for m in args.modes}
     loads: dict[str, list[float]] = {m: [] for m in args.modes}
     with tempfile.TemporaryDirectory(prefix="bench_mesh_") as tmp:
@@ -136,7 +119,7 @@ def main() -> None:
     text = table(cells, args.modes, args.steps, args.repeats, loads, command.strip())
     print(text)
     if args.update_docs:
-        update_docs(text)
+        update_docs(text, START, END, SECTION)
         print(f"wrote {DOC}")
 
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Pipeline speed on CPU: 2 stage processes (one thread each) against one process (one thread), M micro-batches.
 
-    python scripts/bench_pipeline.py                      M in 1 2 4 8, 2 repeats, about 4 minutes
-    python scripts/bench_pipeline.py --microbatches 1 4 --repeats 3 --steps 60
-    python scripts/bench_pipeline.py --update-docs        also write the table into docs/BENCHMARKS.md
-    python scripts/bench_pipeline.py --schedules gpipe 1f1b interleaved1f1b interleavedzb zbv dualpipev --microbatches 4
+    python scripts/bench/pipeline.py                      M in 1 2 4 8, 2 repeats, about 4 minutes
+    python scripts/bench/pipeline.py --microbatches 1 4 --repeats 3 --steps 60
+    python scripts/bench/pipeline.py --update-docs        also write the table into docs/BENCHMARKS.md
+    python scripts/bench/pipeline.py --schedules gpipe 1f1b interleaved1f1b interleavedzb zbv dualpipev --microbatches 4
                                                           the schedules side by side at one M (second table)
 
 Each figure is a real launch of train.py (`python train.py` for the single process, `torchrun
@@ -29,10 +29,10 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from common import DOC, REPO, free_port, update_docs
+
 PYTHON = sys.executable
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
-DOC = REPO / "docs" / "BENCHMARKS.md"
 SECTION = "## Pipeline parallelism"
 START, END = "<!-- pipeline:start -->", "<!-- pipeline:end -->"
 SCHEDULE_MARKERS = ("<!-- pipeline-schedules:start -->", "<!-- pipeline-schedules:end -->")
@@ -49,14 +49,6 @@ MODEL = (
     "checkpoint.interval=0",
     "train.warmup_steps=0",
 )
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(kind: str, m: int, steps: int, schedule: str, tmp: Path) -> dict:
@@ -104,7 +96,7 @@ def table(cells: dict[tuple[str, int], list[dict]], microbatches: list[int], sch
     single = med(("single", 0))
     lines = [
         f"2 CPU processes x 1 thread (schedule {schedule}; gpipe for M=1, where they are the same) against 1 process x 1 thread; baby GPT (4 layers, 128 wide, "
-        f"block 64), batch 32, {steps} steps, median of {repeats}. Command: `python scripts/bench_pipeline.py`.",
+        f"block 64), batch 32, {steps} steps, median of {repeats}. Command: `python scripts/bench/pipeline.py`.",
         "",
         "| micro-batches M | single process tok/s | 2-stage pipeline tok/s | speed-up | ideal M*S/(M+S-1) | bubble measured | bubble ideal (S-1)/(M+S-1) | load avg (1 min) |",
         "|---|---|---|---|---|---|---|---|",
@@ -135,7 +127,7 @@ def schedule_table(cells: dict, schedules: list[str], m: int, steps: int, repeat
         f"2 CPU processes x 1 thread, M={m} micro-batches, each schedule against 1 process x 1 thread; baby GPT (4 layers, "
         f"128 wide, block 64), batch 32, {steps} steps, median of {repeats}. interleaved1f1b, interleavedzb, zbv and dualpipev "
         "hold 2 stages per rank (4 stages of the model). Command: "
-        f"`python scripts/bench_pipeline.py --schedules {' '.join(schedules)} --microbatches {m}`.",
+        f"`python scripts/bench/pipeline.py --schedules {' '.join(schedules)} --microbatches {m}`.",
         "",
         "| schedule | tok/s | speed-up vs 1 process | bubble measured | bubble ideal | load avg (1 min) |",
         "|---|---:|---:|---:|---:|---:|",
@@ -147,17 +139,6 @@ def schedule_table(cells: dict, schedules: list[str], m: int, steps: int, repeat
         lines.append(f"| {name} | {tok:,.0f} | {tok / single:.2f}x | {bubble:.0%} | {ideal:.0%} | {load:.1f} |")
     lines.append(f"| (1 process, no pipeline) | {single:,.0f} | 1.00x | - | - | - |")
     return "\n".join(lines)
-
-
-def update_docs(text: str, markers: tuple[str, str] = (START, END)) -> None:
-    start, end = markers
-    block = f"{start}\n{text}\n{end}"
-    doc = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-    if start in doc:
-        doc = doc[: doc.index(start)] + block + doc[doc.index(end) + len(end) :]
-    else:
-        doc = doc.rstrip("\n") + f"\n\n{SECTION}\n\n{block}\n"
-    DOC.write_text(doc)
 
 
 def main() -> None:
@@ -188,7 +169,7 @@ def main() -> None:
         text = table(cells, args.microbatches, args.schedule, args.steps, args.repeats)
     print(text)
     if args.update_docs:
-        update_docs(text, SCHEDULE_MARKERS if args.schedules else (START, END))
+        update_docs(text, *(SCHEDULE_MARKERS if args.schedules else (START, END)), SECTION)
         print(f"wrote {DOC}")
 
 

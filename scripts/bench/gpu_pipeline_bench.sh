@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Pipeline parallelism on two GPUs (not needed by the tests; prepared for when two GPUs are available).
 #
-#   bash scripts/gpu_pipeline_bench.sh [OUT_DIR]        about 5 minutes on two recent GPUs
+#   bash scripts/bench/gpu_pipeline_bench.sh [OUT_DIR]        about 5 minutes on two recent GPUs
 #
 # 1. In-process executor: one process, stages on cuda:0 and cuda:1, M = 1, 4, 8 micro-batches, against
 #    the same model on one GPU. With M=1 only one GPU works at a time (the classic two-GPU recipe);
@@ -11,7 +11,7 @@
 #    stage 0 (rank 0) should drop with 1F1B (at most S micro-batches in flight instead of M).
 # Results: OUT_DIR/results.md (a table) and one run folder per cell (summary.json, timeline PNG).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${1:-runs/gpu_pipeline_bench}
 PY=${PYTHON:-.venv/bin/python}
 TORCHRUN=${TORCHRUN:-$(dirname "$PY")/torchrun}

@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Benchmark matrix: configs x topologies x speed features, each cell repeated, medians and spread.
 
-    python scripts/benchmark.py --quick                  about 3-4 minutes on this 2-core machine
-    python scripts/benchmark.py                          the full matrix (compile, bare DDP included), about 10 minutes
-    python scripts/benchmark.py --cells bare,template --repeats 5 --steps 400
-    python scripts/benchmark.py --update-docs            also put the table into docs/BENCHMARKS.md
+    python scripts/bench/benchmark.py --quick                  about 3-4 minutes on this 2-core machine
+    python scripts/bench/benchmark.py                          the full matrix (compile, bare DDP included), about 10 minutes
+    python scripts/bench/benchmark.py --cells bare,template --repeats 5 --steps 400
+    python scripts/bench/benchmark.py --update-docs            also put the table into docs/BENCHMARKS.md
 
-Every cell is a real launch (`python train.py`, `torchrun ... train.py` or `scripts/bare_loop.py`) in a
+Every cell is a real launch (`python train.py`, `torchrun ... train.py` or `scripts/bench/bare_loop.py`) in a
 fresh process. Repeats run round-robin over the cells (repeat 1 of every cell, then repeat 2, ...) so a
 change in machine load hits every cell alike; the bare loop and train.py run back to back. Figures are
 steady state (the first log interval, evaluation and checkpoints left out; see trainer.py). The 1-minute
@@ -31,11 +31,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from common import DOC, REPO, free_port, update_docs
+
 PYTHON = sys.executable
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 BASELINE = "configs/shakespeare_char_cpu.yaml"
-DOC = REPO / "docs" / "BENCHMARKS.md"
 DOC_START, DOC_END = "<!-- benchmark:start -->", "<!-- benchmark:end -->"
 
 
@@ -56,7 +56,7 @@ class Cell:
 def cells() -> list[Cell]:
     both = f"1 process, {os.cpu_count()} threads"
     return [
-        Cell("bare", "bare loop (scripts/bare_loop.py: no framework)", both, runner="bare"),
+        Cell("bare", "bare loop (scripts/bench/bare_loop.py: no framework)", both, runner="bare"),
         Cell(
             "bare_malloc",
             "bare loop + the template's malloc setting (--keep-freed-memory)",
@@ -134,14 +134,6 @@ def launch(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int, st
     return proc.returncode, out
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_cell(cell: Cell, steps: int, tmp: Path, timeout: float) -> dict:
     """One launch of the cell; returns its figures (or an error)."""
     out_dir = tmp / f"{cell.name}-{len(cell.runs)}"
@@ -161,7 +153,7 @@ def run_cell(cell: Cell, steps: int, tmp: Path, timeout: float) -> dict:
     env.pop("OMP_NUM_THREADS", None)
     if cell.threads:
         env["OMP_NUM_THREADS"] = str(cell.threads)
-    script = "scripts/bare_loop.py" if cell.runner.startswith("bare") else "train.py"
+    script = "scripts/bench/bare_loop.py" if cell.runner.startswith("bare") else "train.py"
     cmd = [PYTHON, script, "--config", cell.config, *common]
     if cell.runner.endswith("torchrun"):
         cmd = [TORCHRUN, "--nproc-per-node", str(cell.nproc), "--master-port", str(free_port()), *cmd[1:]]
@@ -341,15 +333,6 @@ def report(selected: list[Cell], args: argparse.Namespace, info: dict) -> tuple[
     return "\n".join(lines) + "\n", targets
 
 
-def update_docs(table: str) -> None:
-    """Replace the table between the benchmark markers in docs/BENCHMARKS.md (other sections untouched)."""
-    text = DOC.read_text()
-    if DOC_START not in text or DOC_END not in text:
-        raise SystemExit(f"{DOC} lacks the {DOC_START} / {DOC_END} markers; add them where the table goes")
-    head, rest = text.split(DOC_START, 1)
-    DOC.write_text(head + DOC_START + "\n" + table + rest[rest.index(DOC_END) :])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer steps and repeats, no compile/2-worker cells (about 4 min)")
@@ -417,7 +400,7 @@ def main() -> None:
         f"wrote {out / 'benchmark.md'} and {out / 'benchmark.json'}"
     )
     if args.update_docs:
-        update_docs(table)
+        update_docs(table, DOC_START, DOC_END)
         print(f"updated {DOC}")
     if any(r["rc"] != 0 for c in selected for r in c.runs):
         sys.exit(1)

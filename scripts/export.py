@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""Export a run's weights: as safetensors under the plain model's parameter names, or as a Hugging Face model folder.
+
+    python scripts/export.py runs/x exported/                                  # the run's newest valid checkpoint
+    python scripts/export.py runs/x/checkpoints/step_0001000 exported/ --max-shard-size 5GB
+    python scripts/export.py runs/my_finetune --format hf                      # -> runs/my_finetune/hf
+    python scripts/export.py runs/my_finetune exported/bf16 --format hf --dtype bfloat16
+
+SOURCE is a checkpoints/step_* folder or a run's output_dir (its newest checkpoint that verifies). A checkpoint holds
+each rank's part (DDP, FSDP2, tensor parallel or pipeline; any number of processes); its manifest is verified first,
+a folder holding a pickle is refused, and only the model's tensors are read (no optimizer state), one whole tensor
+at a time (src/parallel_train/checkpoint/export.py).
+
+--format safetensors (the default): one `model.safetensors`, or past --max-shard-size `model-00001-of-0000N.safetensors`
+files and a `model.safetensors.index.json` weight map, as Hugging Face stores large models. A finished run's own
+model.safetensors is this export of its last checkpoint.
+--format hf (model.name=hf runs): config.json, model.safetensors under the model's own names and the run's tokenizer
+files, so that `AutoModelForCausalLM.from_pretrained(OUT)` and `AutoTokenizer.from_pretrained(OUT)` load it (the
+model's config.json comes from model.hf_path). A run writes output_dir/hf/ itself at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run from a clone, no install step
+
+from parallel_train.errors import UserError, run_cli  # noqa: E402
+
+UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line and exit 2, like train.py (argparse prints usage too)
+        raise UserError(f"{message} (see --help)")
+
+
+def size_bytes(text: str) -> int:
+    """`5GB`, `500MB`, `2GiB`, `1000000` -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).upper() not in UNITS or float(match.group(1)) <= 0:
+        raise UserError(f"--max-shard-size: {text!r} is not a size; write e.g. 5GB, 500MB or 2GiB")
+    return int(float(match.group(1)) * UNITS[match.group(2).upper()])
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = Parser(description="Export a run's weights as safetensors or as a Hugging Face model folder.")
+    p.add_argument("source", type=Path, help="a checkpoints/step_* folder, or a run's output_dir (its newest valid checkpoint)")
+    p.add_argument("out", type=Path, nargs="?", help="the folder to write (default with --format hf: SOURCE/hf)")
+    p.add_argument("--format", choices=("safetensors", "hf"), default="safetensors", help="what to write (default: safetensors)")
+    p.add_argument("--max-shard-size", default=None, help="safetensors: files of at most this size, e.g. 5GB (default: one file)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), help="hf: dtype of the exported weights (default: the run's model.dtype)")
+    args = p.parse_args(argv)
+    if args.out is None and args.format == "safetensors":
+        raise UserError("give the folder to write the weights to: python scripts/export.py SOURCE OUT")
+    return args
+
+
+def checkpoint_of(source: Path) -> Path:
+    """The checkpoint SOURCE names: itself, or a run's newest that verifies (one line when there is none)."""
+    from parallel_train.run.resume import choose_checkpoint
+
+    if not source.is_dir():
+        raise UserError(f"{source}: no such folder; give a checkpoints/step_* folder or a run's output_dir")
+    folder = choose_checkpoint(str(source), source / "checkpoints", warn=lambda m: print(f"warning: {m}", file=sys.stderr))
+    if folder is None:
+        raise UserError(f"{source}: no checkpoint to export (the run has written none yet)")
+    return folder
+
+
+def export_hf(folder: Path, out: Path, dtype: str | None) -> str:
+    """A model.name=hf checkpoint as a Hugging Face model folder."""
+    import yaml
+
+    from parallel_train.checkpoint.export import load_weights
+    from parallel_train.config.load import config_from_dict
+    from parallel_train.data.tokenizers import load_saved
+    from parallel_train.models.hf_export import export_pretrained
+
+    cfg = config_from_dict(yaml.safe_load((folder / "config.yaml").read_text()) or {})
+    if cfg.model.name != "hf":
+        raise UserError(f"{folder} trained model.name={cfg.model.name}; --format hf exports model.name=hf runs (use --format safetensors)")
+    # save_pretrained needs the whole model in memory, as the run's own export does; no optimizer state is read.
+    return export_pretrained(cfg.model, load_weights(folder), out, load_saved(folder), source=str(folder), dtype=dtype)
+
+
+def main() -> int:
+    args = parse(sys.argv[1:])
+    limit = size_bytes(args.max_shard_size) if args.max_shard_size else None
+    folder = checkpoint_of(args.source)
+    out = args.out or args.source / "hf"
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out}: is a file; give a folder")
+    if args.format == "hf":
+        print(export_hf(folder, out, args.dtype))
+        return 0
+    from parallel_train.checkpoint.export import export
+
+    for path in export(folder, out, limit):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)
