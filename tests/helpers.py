@@ -79,9 +79,63 @@ def kill_groups(procs: list[subprocess.Popen]) -> None:
             os.killpg(p.pid, signal.SIGKILL)
 
 
+class WarmCmd(list):
+    """A script and its arguments for `nproc` ranks forked from the warm launcher (tests/warm_launcher.py): the same
+    entry point and a real process group, without importing torch once per rank or starting torchrun. For tests
+    whose point is what a layout computes or what a script prints, not how a launcher starts it."""
+
+    def __init__(self, nproc: int, script: str, args: tuple[str, ...]):
+        super().__init__(["warm_launcher", f"--nproc={nproc}", script, *args])
+        self.nproc, self.script, self.args = nproc, script, list(args)
+
+
+def warm_cmd(nproc: int, *overrides: str) -> WarmCmd:
+    """train.py on `nproc` ranks."""
+    return WarmCmd(nproc, "train.py", overrides)
+
+
+def warm_script(script: str, *args: str) -> WarmCmd:
+    """`python SCRIPT ARGS` (scripts/sample.py, scripts/export.py, ...), forked warm."""
+    return WarmCmd(1, script, args)
+
+
+class WarmLauncher:
+    """The one warm launcher of this test session, started at its first use (a few seconds of imports) and left
+    to die with the session (its stdin closes)."""
+
+    proc: subprocess.Popen | None = None
+
+    @classmethod
+    def launch(cls, cmd: WarmCmd, env: dict[str, str], cwd: Path, limit: float) -> dict:
+        if cls.proc is None or cls.proc.poll() is not None:
+            cls.proc = subprocess.Popen(
+                [PYTHON, str(REPO / "tests" / "warm_launcher.py")],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env=launch_env(),
+                start_new_session=True,
+            )
+        request = {"script": cmd.script, "args": cmd.args, "nproc": cmd.nproc, "env": env, "cwd": str(cwd), "timeout": limit}
+        cls.proc.stdin.write(json.dumps(request) + "\n")
+        cls.proc.stdin.flush()
+        line = cls.proc.stdout.readline()
+        if not line:
+            raise AssertionError("the warm launcher (tests/warm_launcher.py) died; run a test with train_cmd to see why")
+        return json.loads(line)
+
+
 def run(cmd: list[str], timeout: float = 300, env: dict[str, str] | None = None, cwd: Path = REPO) -> Result:
     """Run cmd in its own session; on timeout kill the whole process group and fail loudly."""
     limit, why = launch_limit(timeout)
+    if isinstance(cmd, WarmCmd):
+        reply = WarmLauncher.launch(cmd, env or launch_env(), cwd, limit)
+        if reply["timed_out"]:
+            raise AssertionError(
+                f"timed out after {limit:.0f}s{why}: {' '.join(cmd)}\n--- stdout\n{reply['stdout'][-3000:]}\n"
+                f"--- stderr\n{reply['stderr'][-3000:]}"
+            )
+        return Result(reply["returncode"], reply["stdout"], reply["stderr"])
     proc = subprocess.Popen(
         cmd, cwd=cwd, env=env or launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )

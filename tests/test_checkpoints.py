@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import PYTHON, TINY, TORCHRUN, check, free_port, launch_env, run, summary, torchrun_cmd, train_cmd, train_losses
+from helpers import PYTHON, TINY, TORCHRUN, check, free_port, launch_env, run, summary, train_losses, warm_cmd, warm_script
 from parallel_train import faults
 from parallel_train.checkpoint import checkpointer
 from parallel_train.checkpoint.export import index_files, load_weights, whole_tensor
@@ -38,7 +38,7 @@ def same_bytes(a: Path, b: Path) -> bool:
 def ref1(tmp_path_factory) -> Path:
     """One process, synchronous saves, never interrupted."""
     tmp = tmp_path_factory.mktemp("ref1")
-    check(run(train_cmd(*BASE, f"output_dir={tmp / 'run'}"), env=launch_env(tmp)))
+    check(run(warm_cmd(1, *BASE, f"output_dir={tmp / 'run'}"), env=launch_env(tmp)))
     return tmp / "run"
 
 
@@ -80,13 +80,13 @@ def test_ddp_background_saves_resume_as_a_two_stage_pipeline(tmp_path):
     2-stage pipeline (each stage loads its own parameters by name) with the same global batch, and, dropout off,
     steps 4-6 give the DDP run's losses and final weights (1e-5)."""
     ddp, pipe = tmp_path / "ddp", tmp_path / "pipe"
-    check(run(torchrun_cmd(2, *TINY, "checkpoint.async=true", f"output_dir={ddp}"), env=launch_env(tmp_path)))
+    check(run(warm_cmd(2, *TINY, "checkpoint.async=true", f"output_dir={ddp}"), env=launch_env(tmp_path)))
     saved = ddp / "checkpoints" / "step_0000003"
     files = json.loads((saved / MANIFEST).read_text())["files"]
     assert {meta["rank"] for name, meta in files.items() if name.startswith("shards/")} == {0, 1}, files
     assert summary(ddp)["checkpoint_blocking_s"] > 0
     pipeline = ("train.batch_size=8", "parallel.pipeline_stages=2", "parallel.microbatches=2", f"resume={saved}", f"output_dir={pipe}")
-    moved = check(run(torchrun_cmd(2, *TINY, *pipeline), env=launch_env(tmp_path)))
+    moved = check(run(warm_cmd(2, *TINY, *pipeline), env=launch_env(tmp_path)))
     assert f"resumed from {saved} at step 3" in moved.output, moved.output[-3000:]
     files = json.loads((pipe / "checkpoints" / "step_0000006" / MANIFEST).read_text())["files"]
     assert {meta["rank"] for name, meta in files.items() if name.startswith("shards/")} == {0, 1}  # each stage its own
@@ -104,12 +104,12 @@ def test_ddp_background_saves_resume_as_a_two_stage_pipeline(tmp_path):
 def test_kill_during_a_background_write_leaves_the_previous_checkpoint(ref1, tmp_path):
     out = tmp_path / "run"
     env = launch_env(tmp_path, **{faults.ENV: "kill_in_save@6"})
-    killed = run(train_cmd(*BASE, "checkpoint.async=true", f"output_dir={out}"), env=env)
+    killed = run(warm_cmd(1, *BASE, "checkpoint.async=true", f"output_dir={out}"), env=env)
     assert killed.returncode == -signal.SIGKILL and "SIGKILL while saving checkpoint 6 (in the background)" in killed.output
     root = out / "checkpoints"
     assert list((root / ".tmp-step_0000006" / "shards").glob("*.safetensors")) and not (root / ".tmp-step_0000006" / MANIFEST).exists()
     assert [p.name for p in checkpointer.list_checkpoints(root)] == ["step_0000003"]
-    resumed = check(run(train_cmd(*BASE, "checkpoint.async=true", f"output_dir={out}"), env=launch_env(tmp_path)))
+    resumed = check(run(warm_cmd(1, *BASE, "checkpoint.async=true", f"output_dir={out}"), env=launch_env(tmp_path)))
     assert "resumed from" in resumed.output and "step_0000003" in resumed.output
     assert same_bytes(out, ref1)  # background saves hold exactly what synchronous ones do
     assert summary(out)["checkpoint_blocking_s"] > 0 and not list(root.glob(".tmp-*"))
@@ -134,7 +134,7 @@ def test_a_checkpoint_of_the_earlier_format_is_refused_in_one_line(ref1, tmp_pat
     step3 = tmp_path / "run" / "checkpoints" / "step_0000003"
     shutil.copytree(ref1 / "checkpoints" / "step_0000003", step3)
     to_earlier_format(step3)
-    r = run(train_cmd(*BASE, f"resume={step3}", f"output_dir={tmp_path / 'new'}"), env=launch_env(tmp_path))
+    r = run(warm_cmd(1, *BASE, f"resume={step3}", f"output_dir={tmp_path / 'new'}"), env=launch_env(tmp_path))
     assert r.returncode == 2 and "Traceback" not in r.output, r.output[-2000:]
     assert [line for line in r.stderr.splitlines() if line.startswith("error:")] == [
         f"error: resume: {step3} was written by an earlier version of this template (one whole model.safetensors, no shards/), "
@@ -146,11 +146,16 @@ def test_a_checkpoint_of_the_earlier_format_is_refused_in_one_line(ref1, tmp_pat
 
 
 def test_export_script_writes_the_runs_final_weights(ref1, tmp_path):
-    script = [PYTHON, "scripts/export.py"]
-    check(run([*script, str(ref1), str(tmp_path / "one")], env=launch_env(tmp_path), timeout=120))
+    check(run(warm_script("scripts/export.py", str(ref1), str(tmp_path / "one")), env=launch_env(tmp_path), timeout=120))
     assert same_bytes(tmp_path / "one", ref1)  # the run's model.safetensors is the export of its last checkpoint
     step3 = ref1 / "checkpoints" / "step_0000003"
-    check(run([*script, str(step3), str(tmp_path / "sharded"), "--max-shard-size", "40KB"], env=launch_env(tmp_path), timeout=120))
+    check(
+        run(
+            warm_script("scripts/export.py", str(step3), str(tmp_path / "sharded"), "--max-shard-size", "40KB"),
+            env=launch_env(tmp_path),
+            timeout=120,
+        )
+    )
     index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 1 and all((tmp_path / "sharded" / f).stat().st_size <= 40_000 + 8_000 for f in files)

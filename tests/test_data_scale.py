@@ -15,7 +15,6 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import (
-    PYTHON,
     REPO,
     TINY,
     TORCHRUN,
@@ -26,8 +25,9 @@ from helpers import (
     run,
     run_together,
     summary,
-    train_cmd,
     train_losses,
+    warm_cmd,
+    warm_script,
 )
 from parallel_train.data.prepare import Options, prepare
 from parallel_train.data.streaming import position_for, positions_by_dp_rank
@@ -66,15 +66,15 @@ def prepared_runs(data, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("runs")
     env, path = launch_env(tmp), f"data.path={data / 'prepared'}"
     out = {name: tmp / name for name in ("single", "ddp", "accum", "resumed")}
-    logs = {"single": check(run(train_cmd(*GLOBAL8, path, "train.batch_size=8", f"output_dir={out['single']}"), env=env))}
+    logs = {"single": check(run(warm_cmd(1, *GLOBAL8, path, "train.batch_size=8", f"output_dir={out['single']}"), env=env))}
     check(run(accelerate_cmd("multi_cpu", *GLOBAL8, path, "train.batch_size=4", f"output_dir={out['ddp']}"), env=env))
     check(
-        run(train_cmd(*GLOBAL8, path, "train.batch_size=2", "train.gradient_accumulation_steps=4", f"output_dir={out['accum']}"), env=env)
+        run(warm_cmd(1, *GLOBAL8, path, "train.batch_size=2", "train.gradient_accumulation_steps=4", f"output_dir={out['accum']}"), env=env)
     )
     resumed = (*GLOBAL8, path, "train.batch_size=8", f"output_dir={out['resumed']}")
-    killed = run(train_cmd(*resumed), env=launch_env(tmp, PARALLEL_TRAIN_FAULT="kill@4"))
+    killed = run(warm_cmd(1, *resumed), env=launch_env(tmp, PARALLEL_TRAIN_FAULT="kill@4"))
     assert killed.returncode == -9, killed.output[-2000:]
-    logs["resumed"] = check(run(train_cmd(*resumed), env=env))
+    logs["resumed"] = check(run(warm_cmd(1, *resumed), env=env))
     return out, logs
 
 
@@ -105,13 +105,13 @@ def test_prepared_data_sigkill_then_resume_is_bit_identical(prepared_runs):
 def test_stream_sigkill_then_resume_is_bit_identical(data, tmp_path):
     env, path = launch_env(tmp_path), f"data.path={data / 'stream'}"
     whole, cut = tmp_path / "whole", tmp_path / "cut"
-    first = check(run(train_cmd(*STREAM, path, f"output_dir={whole}"), env=env))
+    first = check(run(warm_cmd(1, *STREAM, path, f"output_dir={whole}"), env=env))
     assert f"data: streaming {data / 'stream'} (documents), tokenizer byte" in first.output
-    killed = run(train_cmd(*STREAM, path, f"output_dir={cut}"), env=launch_env(tmp_path, PARALLEL_TRAIN_FAULT="kill@5"))
+    killed = run(warm_cmd(1, *STREAM, path, f"output_dir={cut}"), env=launch_env(tmp_path, PARALLEL_TRAIN_FAULT="kill@5"))
     assert killed.returncode == -9
     saved = json.loads((cut / "checkpoints" / "step_0000003" / "trainer_state.json").read_text())["data_position"]
     assert saved["dp_size"] == 1 and saved["ranks"][0]["skip"] >= 0
-    resumed = check(run(train_cmd(*STREAM, path, f"output_dir={cut}"), env=env))
+    resumed = check(run(warm_cmd(1, *STREAM, path, f"output_dir={cut}"), env=env))
     assert "at step 3" in resumed.output
     assert train_losses(cut) == train_losses(whole) and identical(whole, cut)
 
@@ -143,8 +143,8 @@ def test_stream_on_two_ranks_resumes_bit_identically_and_accumulation_equals_one
     check(run(accelerate_cmd("multi_cpu", *STREAM, path, f"output_dir={cut}"), env=env))
     assert identical(whole, cut)
     one, accum = tmp_path / "one", tmp_path / "accum"
-    check(run(train_cmd(*STREAM, path, "train.batch_size=8", f"output_dir={one}"), env=env))
-    check(run(train_cmd(*STREAM, path, "train.batch_size=2", "train.gradient_accumulation_steps=4", f"output_dir={accum}"), env=env))
+    check(run(warm_cmd(1, *STREAM, path, "train.batch_size=8", f"output_dir={one}"), env=env))
+    check(run(warm_cmd(1, *STREAM, path, "train.batch_size=2", "train.gradient_accumulation_steps=4", f"output_dir={accum}"), env=env))
     a, b = train_losses(one), train_losses(accum)
     assert all(b[s] == pytest.approx(a[s], rel=1e-5, abs=1e-6) for s in a)
 
@@ -186,12 +186,12 @@ def test_a_node_with_another_preparation_stops_the_job(data, tmp_path):
 @pytest.mark.slow
 def test_shakespeare_bpe_config_trains_and_samples(tmp_path):
     out = tmp_path / "bpe"
-    r = check(run(train_cmd("--config", "configs/shakespeare_bpe.yaml", "train.max_steps=4", "eval.iters=2", "eval.interval=4",
+    r = check(run(warm_cmd(1, "--config", "configs/shakespeare_bpe.yaml", "train.max_steps=4", "eval.iters=2", "eval.interval=4",
                             "checkpoint.interval=4", f"output_dir={out}"), env=launch_env(tmp_path)))  # fmt: skip
     assert "tokenizer bpe:1024" in r.output or (out / "tokenizer.json").is_file()
     assert (out / "tokenizer.json").is_file() and (out / "checkpoints" / "step_0000004" / "tokenizer.json").is_file()
     text = check(
-        run([PYTHON, "scripts/sample.py", "--run", str(out), "--prompt", "ROMEO:", "--max_new_tokens", "20"], env=launch_env(tmp_path))
+        run(warm_script("scripts/sample.py", "--run", str(out), "--prompt", "ROMEO:", "--max_new_tokens", "20"), env=launch_env(tmp_path))
     )
     assert text.stdout.startswith("ROMEO:")
 
@@ -216,10 +216,12 @@ def test_word_tokenizer_prepares_trains_resumes_and_samples(data, tmp_path):
 
     out, env = tmp_path / "run", launch_env(tmp_path)
     args = (*TINY, f"data.path={tmp_path / 'words'}", f"output_dir={out}")
-    killed = run(train_cmd(*args), env=launch_env(tmp_path, PARALLEL_TRAIN_FAULT="kill@4"))
+    killed = run(warm_cmd(1, *args), env=launch_env(tmp_path, PARALLEL_TRAIN_FAULT="kill@4"))
     assert killed.returncode == -9, killed.output[-2000:]
-    resumed = check(run(train_cmd(*args), env=env))
+    resumed = check(run(warm_cmd(1, *args), env=env))
     assert "resumed from" in resumed.output and "at step 3" in resumed.output and summary(out)["steps"] == 6
     assert load_saved(out).fingerprint == load_saved(out / "checkpoints" / "step_0000006").fingerprint == tokenizer.fingerprint
-    sample = check(run([PYTHON, "scripts/sample.py", "--run", str(out), "--prompt", "First Citizen:", "--max_new_tokens", "30"], env=env))
+    sample = check(
+        run(warm_script("scripts/sample.py", "--run", str(out), "--prompt", "First Citizen:", "--max_new_tokens", "30"), env=env)
+    )
     assert sample.stdout.startswith("First Citizen:") and 20 < len(sample.stdout.split()) <= 32 and "<unk>" not in sample.stdout[:14]

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 import hf_tiny
-from helpers import PYTHON, TORCHRUN, check, free_port, launch_env, run, summary, torchrun_cmd, train_cmd, train_losses
+from helpers import TORCHRUN, check, free_port, launch_env, run, summary, train_losses, warm_cmd, warm_script
 from parallel_train import faults
 from parallel_train.checkpoint.export import load_weights
 from parallel_train.errors import UserError
@@ -279,7 +279,7 @@ def test_without_transformers_the_template_runs_and_hf_names_the_install(monkeyp
 def reference(folders, tmp_path_factory):
     """The unsplit Llama, one process, batch 4."""
     tmp = tmp_path_factory.mktemp("hf_runs")
-    check(run(train_cmd(*RUN, f"model.hf_path={folders['llama']}", f"output_dir={tmp / 'ref'}"), env=launch_env(tmp)))
+    check(run(warm_cmd(1, *RUN, f"model.hf_path={folders['llama']}", f"output_dir={tmp / 'ref'}"), env=launch_env(tmp)))
     return tmp
 
 
@@ -299,7 +299,7 @@ def test_ddp_two_processes_equal_one_then_export_and_sample(folders, reference):
     the logits of its model.safetensors, the sampler generates from the run, and scripts/export.py --format hf exports a
     checkpoint."""
     out, env = reference / "ddp", launch_env(reference)
-    result = check(run(torchrun_cmd(2, *RUN, "train.batch_size=2", f"model.hf_path={folders['llama']}", f"output_dir={out}"), env=env))
+    result = check(run(warm_cmd(2, *RUN, "train.batch_size=2", f"model.hf_path={folders['llama']}", f"output_dir={out}"), env=env))
     assert "engine: data parallel" in result.output and f"Hugging Face model folder: {out / 'hf'}" in result.output
     assert_same_training(out, reference / "ref")
     model = adapter(folders["llama"])
@@ -316,7 +316,7 @@ def test_ddp_two_processes_equal_one_then_export_and_sample(folders, reference):
     assert trained.vocab.decode(ids[0].tolist()).startswith("ROMEO:") and ids.shape == (1, len(prompt) + 20)
     step3, folder = out / "checkpoints" / "step_0000003", reference / "step3_hf"  # any checkpoint exports the same way
     assert (step3 / "shards").is_dir() and not (step3 / "model.safetensors").exists()  # each rank's part, by name
-    check(run([PYTHON, "scripts/export.py", str(step3), str(folder), "--format", "hf", "--dtype", "bfloat16"], env=env))
+    check(run(warm_script("scripts/export.py", str(step3), str(folder), "--format", "hf", "--dtype", "bfloat16"), env=env))
     exported = transformers.AutoModelForCausalLM.from_pretrained(folder)
     assert exported.dtype == torch.bfloat16 and exported.config.dtype == torch.bfloat16
     weights = load_weights(step3)  # the checkpoint's model tensors, assembled from the shards
@@ -331,7 +331,7 @@ def test_llama_in_two_pipeline_stages_equals_the_unsplit_model(folders, referenc
     out = reference / "pipeline"
     result = check(
         run(
-            torchrun_cmd(
+            warm_cmd(
                 2, *RUN, "parallel.pipeline_stages=2", "parallel.microbatches=2", f"model.hf_path={folders['llama']}", f"output_dir={out}"
             ),
             env=launch_env(reference),
@@ -347,9 +347,9 @@ def test_sigkill_then_resume_is_bit_identical(folders, reference):
     its export."""
     out, ref = reference / "killed", reference / "ref"
     args = (*RUN, f"model.hf_path={folders['llama']}", f"output_dir={out}")
-    killed = run(train_cmd(*args), env=launch_env(reference, **{faults.ENV: "kill@4"}))
+    killed = run(warm_cmd(1, *args), env=launch_env(reference, **{faults.ENV: "kill@4"}))
     assert killed.returncode == -signal.SIGKILL, killed.output[-2000:]
-    resumed = check(run(train_cmd(*args), env=launch_env(reference)))
+    resumed = check(run(warm_cmd(1, *args), env=launch_env(reference)))
     assert "resumed from" in resumed.output and "step_0000003" in resumed.output
     assert (out / "model.safetensors").read_bytes() == (ref / "model.safetensors").read_bytes()
     assert (out / "hf" / "model.safetensors").read_bytes() == (ref / "hf" / "model.safetensors").read_bytes()
@@ -381,7 +381,7 @@ def mesh_runs(folders, tmp_path_factory):
         if name not in done:
             nproc, overrides = MESH_LAUNCHES[name]
             args = (*RUN, *MESH_SGD, f"model.hf_path={folders['llama']}", *overrides, f"output_dir={tmp / name}")
-            cmd = train_cmd(*args) if nproc == 1 else torchrun_cmd(nproc, *args)
+            cmd = warm_cmd(1, *args) if nproc == 1 else warm_cmd(nproc, *args)
             done[name] = (tmp / name, check(run(cmd, env=launch_env(tmp), timeout=600)).output)
         return done[name]
 
@@ -417,7 +417,7 @@ def test_llama_tensor_parallel_on_2_ranks_by_its_own_plan_equals_one_process(mes
 @pytest.mark.slow
 def test_bad_model_through_train_py_is_one_line_exit_2(tmp_path):
     out = tmp_path / "out"
-    result = run(train_cmd(*RUN, f"model.hf_path={tmp_path}", f"output_dir={out}"), env=launch_env(tmp_path))
+    result = run(warm_cmd(1, *RUN, f"model.hf_path={tmp_path}", f"output_dir={out}"), env=launch_env(tmp_path))
     assert result.returncode == 2, result.output[-2000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert errors == [
@@ -432,9 +432,9 @@ def test_gpt2_untied_in_two_stages_of_one_process_equals_the_unsplit_model(folde
     """GPT-2 ties its embeddings: untied, its two in-process pipeline stages train like the unsplit (untied) model."""
     gpt2 = (*RUN, f"model.hf_path={folders['gpt2']}", "model.untie_embeddings=true")
     env, ref, out = launch_env(reference), reference / "gpt2_ref", reference / "gpt2_pipeline"
-    check(run(train_cmd(*gpt2, f"output_dir={ref}"), env=env))
+    check(run(warm_cmd(1, *gpt2, f"output_dir={ref}"), env=env))
     stages = ("parallel.pipeline_stages=2", "parallel.stage_devices=[cpu,cpu]", "parallel.microbatches=2")
-    check(run(train_cmd(*gpt2, *stages, f"output_dir={out}"), env=env))
+    check(run(warm_cmd(1, *gpt2, *stages, f"output_dir={out}"), env=env))
     got, want = train_losses(out), train_losses(ref)
     assert all(got[s] == pytest.approx(want[s], abs=1e-5) for s in want), (got, want)
     w, r = load_file(str(out / "model.safetensors")), load_file(str(ref / "model.safetensors"))
@@ -448,9 +448,9 @@ def test_gpt2_tied_trains_under_ddp_and_as_a_two_stage_pipeline_alike(folders, t
     parallel/pipeline/tied.py): the same 4 samples per step, the same losses; both exports tied."""
     gpt2 = (*RUN, f"model.hf_path={folders['gpt2']}")
     out, pp = tmp_path / "ddp", tmp_path / "pp"
-    check(run(torchrun_cmd(2, *gpt2, "train.batch_size=2", f"output_dir={out}"), env=launch_env(tmp_path)))
+    check(run(warm_cmd(2, *gpt2, "train.batch_size=2", f"output_dir={out}"), env=launch_env(tmp_path)))
     stages = ("parallel.pipeline_stages=2", "parallel.microbatches=2", "parallel.schedule=1f1b")
-    check(run(torchrun_cmd(2, *gpt2, *stages, f"output_dir={pp}"), env=launch_env(tmp_path)))
+    check(run(warm_cmd(2, *gpt2, *stages, f"output_dir={pp}"), env=launch_env(tmp_path)))
     got, want = train_losses(pp), train_losses(out)
     assert all(got[s] == pytest.approx(want[s], abs=1e-5) for s in want), (got, want)
     for run_dir in (out, pp):

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import PYTHON, TINY, accelerate_cmd, check, launch_env, run, summary, torchrun_cmd, train_cmd, train_losses
+from helpers import PYTHON, TINY, accelerate_cmd, check, launch_env, run, summary, train_losses, warm_cmd
 from parallel_train.config.load import load_config
 from parallel_train.config.sections import Config
 from parallel_train.errors import UserError
@@ -70,9 +70,9 @@ def launched(tmp_path_factory):
             out = tmp / name
             args = (*SGD, *(o.format(**{k: v[0] for k, v in done.items()}) for o in overrides), f"output_dir={out}")
             if how == 1:
-                cmd = train_cmd(*args)
+                cmd = warm_cmd(1, *args)
             elif isinstance(how, int):
-                cmd = torchrun_cmd(how, *args)
+                cmd = warm_cmd(how, *args)
             else:  # an accelerate config: 2 processes, its parallelism_config cut to fit (4 x 2 would need 8)
                 flags = ("--num_processes", "2") if how == "fsdp" else ("--num_processes", "4", "--parallelism_config_dp_shard_size", "2")
                 cmd = accelerate_cmd(how, *args, launch_args=flags)
@@ -198,7 +198,7 @@ def test_fsdp2_in_fp16_scales_the_loss_and_skips_an_overflow_on_every_rank(launc
     finding), the guard does not stop the run, and the two shards stay one model."""
     out = tmp_path / "fp16"
     env = launch_env(tmp_path, PARALLEL_TRAIN_FAULT="overflow@2:rank=1")
-    cmd = torchrun_cmd(2, *SGD, *HALF, "parallel.dp_shard=2", "train.mixed_precision=fp16", f"output_dir={out}")
+    cmd = warm_cmd(2, *SGD, *HALF, "parallel.dp_shard=2", "train.mixed_precision=fp16", f"output_dir={out}")
     log = check(run(cmd, env=env, timeout=600)).output
     assert "FSDP2 mixed precision: parameters gathered and computed in fp16, gradients reduced in fp32" in log
     assert summary(out)["skipped_by_scaler_steps"] == 1 and summary(out)["steps"] == 6
@@ -225,7 +225,7 @@ def test_a_tp_x_pipeline_checkpoint_continues_as_one_process(launched, tmp_path)
     out = tmp_path / "plain"
     check(
         run(
-            train_cmd(*SGD, f"resume={launched('tp2_pp2')[0] / 'checkpoints' / 'step_0000003'}", f"output_dir={out}"),
+            warm_cmd(1, *SGD, f"resume={launched('tp2_pp2')[0] / 'checkpoints' / 'step_0000003'}", f"output_dir={out}"),
             env=launch_env(tmp_path),
         )
     )
@@ -251,7 +251,7 @@ def test_a_tp_x_pipeline_checkpoint_continues_as_one_process(launched, tmp_path)
     ],
 )
 def test_bad_mesh_launches_are_one_line_errors(tmp_path, nproc, overrides, message):
-    r = run(torchrun_cmd(nproc, *overrides, f"output_dir={tmp_path / 'bad'}"), env=launch_env(tmp_path), timeout=300)
+    r = run(warm_cmd(nproc, *overrides, f"output_dir={tmp_path / 'bad'}"), env=launch_env(tmp_path), timeout=300)
     assert r.returncode != 0 and message in r.stderr, r.output[-3000:]
     assert len([line for line in r.stderr.splitlines() if line.startswith("error:")]) == 1
     assert not (tmp_path / "bad" / "config.yaml").exists()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import PYTHON, REPO, TINY, check, launch_env, read_metrics, run, summary, train_cmd
+from helpers import PYTHON, REPO, TINY, check, launch_env, read_metrics, run, summary, warm_cmd
 from parallel_train.config.load import load_config
 from parallel_train.config.sections import Config
 from parallel_train.data.sources import check_source
@@ -133,7 +133,8 @@ def test_run_reports_speed_metrics_with_activation_checkpointing(tmp_path):
     started = time.monotonic()
     check(
         run(
-            train_cmd(
+            warm_cmd(
+                1,
                 *TINY,
                 "data.path=synthetic",
                 "model.vocab_size=128",
@@ -160,7 +161,9 @@ def test_compile_switch_trains_like_eager(tmp_path):
     losses = {}
     for flag in ("false", "true"):
         out = tmp_path / flag
-        check(run(train_cmd(*TINY, f"train.compile={flag}", "eval.interval=0", f"output_dir={out}"), env=launch_env(tmp_path), timeout=900))
+        check(
+            run(warm_cmd(1, *TINY, f"train.compile={flag}", "eval.interval=0", f"output_dir={out}"), env=launch_env(tmp_path), timeout=900)
+        )
         losses[flag] = [r["loss"] for r in read_metrics(out) if r["kind"] == "train"]
     assert losses["true"] == pytest.approx(losses["false"], rel=1e-3, abs=1e-4)
     from safetensors.torch import load_file

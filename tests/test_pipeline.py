@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import TINY, check, launch_env, run, summary, torchrun_cmd, train_cmd, train_losses
+from helpers import TINY, check, launch_env, run, summary, train_losses, warm_cmd
 from parallel_train.checkpoint.export import index_files, whole_tensor
 from parallel_train.config.sections import Config
 from parallel_train.errors import UserError
@@ -180,8 +180,8 @@ def assert_same_training(run_dir, ref_dir, steps=range(1, 7), atol=1e-5, file="m
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pipeline")
-    check(run(train_cmd(*SGD, f"output_dir={tmp / 'ref_sgd'}"), env=launch_env(tmp)))
-    check(run(train_cmd(*ADAM, f"output_dir={tmp / 'ref_adam'}"), env=launch_env(tmp)))
+    check(run(warm_cmd(1, *SGD, f"output_dir={tmp / 'ref_sgd'}"), env=launch_env(tmp)))
+    check(run(warm_cmd(1, *ADAM, f"output_dir={tmp / 'ref_adam'}"), env=launch_env(tmp)))
     return tmp
 
 
@@ -190,8 +190,8 @@ def test_in_process_pipeline_matches_unsplit_model(reference):
     env, ref, out = launch_env(reference), reference / "ref_adam", reference / "inproc"
     result = check(
         run(
-            train_cmd(
-                *ADAM, "parallel.pipeline_stages=2", "parallel.stage_devices=[cpu,cpu]", "parallel.microbatches=2", f"output_dir={out}"
+            warm_cmd(
+                1, *ADAM, "parallel.pipeline_stages=2", "parallel.stage_devices=[cpu,cpu]", "parallel.microbatches=2", f"output_dir={out}"
             ),
             env=env,
         )
@@ -203,7 +203,7 @@ def test_in_process_pipeline_matches_unsplit_model(reference):
     assert (out / s["pipeline_timeline"]).stat().st_size > 1000
     assert "pipeline bubble: measured" in result.output
     plain = reference / "plain_from_inproc"
-    check(run(train_cmd(*ADAM, f"resume={out / 'checkpoints' / 'step_0000003'}", f"output_dir={plain}"), env=env))
+    check(run(warm_cmd(1, *ADAM, f"resume={out / 'checkpoints' / 'step_0000003'}", f"output_dir={plain}"), env=env))
     assert_same_training(plain, ref, steps=range(4, 7), atol=1e-4)
 
 
@@ -214,7 +214,7 @@ def test_data_parallel_x_in_process_pipeline(reference):
     overrides = [o for o in SGD if not o.startswith("train.gradient_accumulation_steps")]
     result = check(
         run(
-            torchrun_cmd(
+            warm_cmd(
                 2,
                 *overrides,
                 "parallel.pipeline_stages=2",
@@ -243,7 +243,7 @@ def test_multi_process_pipeline_matches_unsplit_model(reference, schedule):
     }[schedule]
     result = check(
         run(
-            torchrun_cmd(
+            warm_cmd(
                 2, *extra, "parallel.pipeline_stages=2", "parallel.microbatches=2", f"parallel.schedule={schedule}", f"output_dir={out}"
             ),
             env=env,
@@ -262,7 +262,7 @@ def test_multi_process_pipeline_matches_unsplit_model(reference, schedule):
     assert json.loads((out / "summary.json").read_text())["pipeline_bubble_ideal"] == pytest.approx(ideal)
     if schedule == "1f1b":  # the pipeline's checkpoint (canonical names, gathered on rank 0) continues as a plain run
         plain = reference / "plain_from_pipeline"
-        check(run(train_cmd(*SGD, f"resume={out / 'checkpoints' / 'step_0000003'}", f"output_dir={plain}"), env=env))
+        check(run(warm_cmd(1, *SGD, f"resume={out / 'checkpoints' / 'step_0000003'}", f"output_dir={plain}"), env=env))
         assert_same_training(plain, ref, steps=range(4, 7))
 
 
@@ -270,7 +270,8 @@ def test_bad_pipeline_launch_is_one_line_exit_2(tmp_path):
     """Through train.py: exit 2, one line, nothing written to output_dir."""
     out = tmp_path / "bad"
     result = run(
-        train_cmd(
+        warm_cmd(
+            1,
             *TINY,
             "parallel.pipeline_stages=2",
             "parallel.stage_devices=[cpu,cpu]",
@@ -288,7 +289,7 @@ def test_bad_pipeline_launch_is_one_line_exit_2(tmp_path):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_world_size_not_divisible_by_stages(tmp_path):
-    result = run(torchrun_cmd(2, *TINY, "parallel.pipeline_stages=3", f"output_dir={tmp_path / 'bad'}"), env=launch_env(tmp_path))
+    result = run(warm_cmd(2, *TINY, "parallel.pipeline_stages=3", f"output_dir={tmp_path / 'bad'}"), env=launch_env(tmp_path))
     assert result.returncode != 0
     assert "error: parallel.pipeline_stages=3 does not divide the world size 2" in result.stderr
 
@@ -301,9 +302,7 @@ def test_data_parallel_x_multi_process_pipeline(reference):
     overrides = [o for o in SGD if not o.startswith("train.gradient_accumulation_steps")]
     result = check(
         run(
-            torchrun_cmd(
-                4, *overrides, "parallel.pipeline_stages=2", "parallel.microbatches=2", "parallel.schedule=1f1b", f"output_dir={out}"
-            ),
+            warm_cmd(4, *overrides, "parallel.pipeline_stages=2", "parallel.microbatches=2", "parallel.schedule=1f1b", f"output_dir={out}"),
             env=launch_env(reference),
             timeout=600,
         )
@@ -318,7 +317,8 @@ def test_pipelines_train_in_bf16(reference):
     """bf16 autocast in both executors: close to the fp32 run (not equal: bf16 rounds)."""
     env, ref = launch_env(reference), train_losses(reference / "ref_adam")
     runs = {
-        "bf16_inproc": train_cmd(
+        "bf16_inproc": warm_cmd(
+            1,
             *ADAM,
             "train.mixed_precision=bf16",
             "parallel.pipeline_stages=2",
@@ -326,7 +326,7 @@ def test_pipelines_train_in_bf16(reference):
             "parallel.microbatches=2",
             f"output_dir={reference / 'bf16_inproc'}",
         ),
-        "bf16_mp": torchrun_cmd(
+        "bf16_mp": warm_cmd(
             2,
             *ADAM,
             "train.mixed_precision=bf16",

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import REPO, TINY, check, launch_env, read_metrics, run, torchrun_cmd, train_cmd, train_losses
+from helpers import REPO, TINY, check, launch_env, read_metrics, run, torchrun_cmd, train_losses, warm_cmd
 from parallel_train import faults
 from parallel_train.checkpoint import checkpointer
 from parallel_train.checkpoint.export import load_weights
@@ -50,14 +50,14 @@ def ref1(tmp_path_factory) -> tuple[Path, str]:
     """One process, never interrupted. Also the secrets check: a fake WANDB_API_KEY and wandb (offline) on."""
     tmp = tmp_path_factory.mktemp("ref1")
     env = launch_env(tmp, WANDB_API_KEY=SECRET, HF_TOKEN=SECRET, WANDB_MODE="offline")
-    result = check(run(train_cmd(*BASE, "tracker=wandb", f"output_dir={tmp / 'run'}"), env=env))
+    result = check(run(warm_cmd(1, *BASE, "tracker=wandb", f"output_dir={tmp / 'run'}"), env=env))
     return tmp / "run", result.output
 
 
 @pytest.fixture(scope="module")
 def ref2(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("ref2")
-    check(run(torchrun_cmd(2, *BASE, f"output_dir={tmp / 'run'}"), env=launch_env(tmp)))
+    check(run(warm_cmd(2, *BASE, f"output_dir={tmp / 'run'}"), env=launch_env(tmp)))
     return tmp / "run"
 
 
@@ -66,10 +66,10 @@ def ref2(tmp_path_factory) -> Path:
 
 def test_sigkill_between_checkpoints_then_resume_is_bit_identical(ref1, tmp_path):
     out = tmp_path / "run"
-    killed = run(train_cmd(*BASE, f"output_dir={out}"), env=fault_env(tmp_path, "kill@4"))
+    killed = run(warm_cmd(1, *BASE, f"output_dir={out}"), env=fault_env(tmp_path, "kill@4"))
     assert killed.returncode == -signal.SIGKILL, killed.output[-2000:]
     assert [p.name for p in checkpointer.list_checkpoints(out / "checkpoints")] == ["step_0000003"]
-    resumed = check(run(train_cmd(*BASE, f"output_dir={out}"), env=fault_env(tmp_path)))
+    resumed = check(run(warm_cmd(1, *BASE, f"output_dir={out}"), env=fault_env(tmp_path)))
     assert "resumed from" in resumed.output and "step_0000003" in resumed.output
     assert same_bytes(out, ref1[0])
     assert train_steps(out) == [1, 2, 3, 4, 5, 6]  # the killed run's step 4 record was dropped, not duplicated
@@ -77,14 +77,14 @@ def test_sigkill_between_checkpoints_then_resume_is_bit_identical(ref1, tmp_path
 
 def test_kill_during_save_leaves_previous_checkpoint_valid(ref1, tmp_path):
     out = tmp_path / "run"
-    killed = run(train_cmd(*BASE, f"output_dir={out}"), env=fault_env(tmp_path, "kill_in_save@6"))
+    killed = run(warm_cmd(1, *BASE, f"output_dir={out}"), env=fault_env(tmp_path, "kill_in_save@6"))
     assert killed.returncode == -signal.SIGKILL
     root = out / "checkpoints"
     assert list((root / ".tmp-step_0000006" / "shards").glob("rank*.safetensors"))  # written, never sealed nor renamed
     assert [p.name for p in checkpointer.list_checkpoints(root)] == ["step_0000003"]
     assert checkpointer.verify(root / "step_0000003") is None
     assert not (out / "model.safetensors").exists()
-    check(run(train_cmd(*BASE, f"output_dir={out}"), env=fault_env(tmp_path)))
+    check(run(warm_cmd(1, *BASE, f"output_dir={out}"), env=fault_env(tmp_path)))
     assert same_bytes(out, ref1[0])
     assert not list(root.glob(".tmp-*"))  # the stale partial save was cleaned up
 
@@ -92,11 +92,11 @@ def test_kill_during_save_leaves_previous_checkpoint_valid(ref1, tmp_path):
 def test_two_processes_sigkill_then_resume_is_bit_identical(ref2, tmp_path):
     """Rank 1 dies: rank 0 exits with one line (no hang); resume on 2 processes is bit-identical."""
     out = tmp_path / "run"
-    killed = run(torchrun_cmd(2, *BASE, f"output_dir={out}"), env=fault_env(tmp_path, "kill@4:rank=1"))
+    killed = run(warm_cmd(2, *BASE, f"output_dir={out}"), env=fault_env(tmp_path, "kill@4:rank=1"))
     assert killed.returncode != 0
     errors = [line for line in killed.stderr.splitlines() if line.startswith("error: rank 0: a collective failed at step 4")]
     assert len(errors) == 1, killed.output[-3000:]
-    check(run(torchrun_cmd(2, *BASE, f"output_dir={out}"), env=fault_env(tmp_path)))
+    check(run(warm_cmd(2, *BASE, f"output_dir={out}"), env=fault_env(tmp_path)))
     assert same_bytes(out, ref2)
 
 
@@ -117,9 +117,9 @@ def test_a_two_process_checkpoint_continues_on_one_process(tmp_path):
     """2 processes x batch 4 -> 1 process x batch 8 from the step-3 checkpoint, with a notice: the global batch is
     the same, so steps 4-6 read the same samples and, dropout off, end where the 2-process run ends (1e-5)."""
     ddp, one = tmp_path / "ddp", tmp_path / "one"
-    check(run(torchrun_cmd(2, *TINY, f"output_dir={ddp}"), env=fault_env(tmp_path)))
+    check(run(warm_cmd(2, *TINY, f"output_dir={ddp}"), env=fault_env(tmp_path)))
     step3 = ddp / "checkpoints" / "step_0000003"
-    moved = check(run(train_cmd(*TINY, "train.batch_size=8", f"resume={step3}", f"output_dir={one}"), env=fault_env(tmp_path)))
+    moved = check(run(warm_cmd(1, *TINY, "train.batch_size=8", f"resume={step3}", f"output_dir={one}"), env=fault_env(tmp_path)))
     notice = [line for line in moved.output.splitlines() if line.startswith("notice: the checkpoint was written by 2 processes")]
     assert len(notice) == 1 and "global batch is unchanged" in notice[0], moved.output[-3000:]
     same_training(one, ddp, range(4, 7))
@@ -143,7 +143,7 @@ def test_elastic_torchrun_restarts_and_matches_uninterrupted(ref2, tmp_path):
 def test_elastic_accelerate_max_restarts(ref2, tmp_path):
     marker = tmp_path / "fired"
     cmd = [
-        str(Path(torchrun_cmd(1)[0]).parent / "accelerate"),
+        str(Path(warm_cmd(1)[0]).parent / "accelerate"),
         "launch",
         "--config_file",
         "accelerate_configs/multi_cpu.yaml",
@@ -160,7 +160,7 @@ def test_elastic_accelerate_max_restarts(ref2, tmp_path):
 
 def test_hung_rank_makes_the_others_fail_within_the_timeout(tmp_path):
     result = run(
-        torchrun_cmd(2, *BASE, "parallel.timeout_s=15", f"output_dir={tmp_path / 'run'}"),
+        torchrun_cmd(2, *BASE, "parallel.timeout_s=15", f"output_dir={tmp_path / 'run'}"),  # torchrun ends the hung rank
         env=fault_env(tmp_path, "hang@2:rank=1"),
         timeout=240,
     )
@@ -175,25 +175,25 @@ def test_hung_rank_makes_the_others_fail_within_the_timeout(tmp_path):
 
 def test_sigusr1_checkpoints_exits_cleanly_and_resume_is_bit_identical(ref1, tmp_path):
     out = tmp_path / "run"
-    stopped = check(run(train_cmd(*BASE, f"output_dir={out}"), env=fault_env(tmp_path, "sigusr1@4")))
+    stopped = check(run(warm_cmd(1, *BASE, f"output_dir={out}"), env=fault_env(tmp_path, "sigusr1@4")))
     assert "SIGUSR1: stopped at step 4 of 6" in stopped.output and "resume=auto" in stopped.output
     assert checkpointer.verify(out / "checkpoints" / "step_0000004") is None
     assert not (out / "model.safetensors").exists()
-    check(run(train_cmd(*BASE, f"output_dir={out}"), env=fault_env(tmp_path)))
+    check(run(warm_cmd(1, *BASE, f"output_dir={out}"), env=fault_env(tmp_path)))
     assert same_bytes(out, ref1[0])
 
 
 @pytest.mark.slow  # the same path as SIGUSR1 above; only the first-Ctrl-C bookkeeping differs
 def test_sigint_checkpoints_and_exits_cleanly(tmp_path):
     out = tmp_path / "run"
-    stopped = check(run(train_cmd(*BASE, f"output_dir={out}"), env=fault_env(tmp_path, "sigint@2")))
+    stopped = check(run(warm_cmd(1, *BASE, f"output_dir={out}"), env=fault_env(tmp_path, "sigint@2")))
     assert "SIGINT: stopped at step 2 of 6" in stopped.output and "Traceback" not in stopped.output
     assert checkpointer.verify(out / "checkpoints" / "step_0000002") is None
 
 
 def test_signal_on_one_rank_stops_all_ranks_at_the_same_step(tmp_path):
     out = tmp_path / "run"
-    result = check(run(torchrun_cmd(2, *BASE, f"output_dir={out}"), env=fault_env(tmp_path, "sigterm@4:rank=1")))
+    result = check(run(warm_cmd(2, *BASE, f"output_dir={out}"), env=fault_env(tmp_path, "sigterm@4:rank=1")))
     assert "stopped at step 4 of 6" in result.output
     saved = out / "checkpoints" / "step_0000004"
     assert checkpointer.verify(saved) is None
@@ -206,7 +206,7 @@ def test_sigterm_to_torchrun_checkpoints_on_all_ranks(tmp_path):
     """A real preemption: SIGTERM to the launcher (as SLURM does) while training; torchrun forwards it to
     the workers, which may be at different steps: they agree on one, save there and exit."""
     out = tmp_path / "run"
-    cmd = torchrun_cmd(2, *BASE, "train.max_steps=5000", "eval.interval=0", "checkpoint.interval=0", f"output_dir={out}")
+    cmd = warm_cmd(2, *BASE, "train.max_steps=5000", "eval.interval=0", "checkpoint.interval=0", f"output_dir={out}")
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=fault_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
@@ -238,7 +238,7 @@ def test_sigterm_to_torchrun_checkpoints_on_all_ranks(tmp_path):
 def test_corrupt_checkpoints_are_skipped_and_the_resumed_one_goes_once_a_newer_one_verified(ref1, tmp_path):
     out = tmp_path / "run"
     args = (*BASE, "checkpoint.interval=2", "eval.interval=2", f"output_dir={out}")
-    check(run(train_cmd(*args, "checkpoint.keep=3"), env=fault_env(tmp_path)))
+    check(run(warm_cmd(1, *args, "checkpoint.keep=3"), env=fault_env(tmp_path)))
     root = out / "checkpoints"
     assert [p.name for p in checkpointer.list_checkpoints(root)] == ["step_0000002", "step_0000004", "step_0000006"]
     with open(root / "step_0000006" / "shards" / "rank00000-000.safetensors", "r+b") as f:
@@ -246,7 +246,7 @@ def test_corrupt_checkpoints_are_skipped_and_the_resumed_one_goes_once_a_newer_o
     (root / "step_0000004" / "rng_rank0.safetensors").unlink()  # a missing file
     (out / "model.safetensors").unlink()
 
-    result = check(run(train_cmd(*args, "checkpoint.keep=1", "checkpoint.keep_best=true"), env=fault_env(tmp_path)))
+    result = check(run(warm_cmd(1, *args, "checkpoint.keep=1", "checkpoint.keep_best=true"), env=fault_env(tmp_path)))
     warnings = [line for line in result.output.splitlines() if line.startswith("warning: skipping checkpoint")]
     assert len(warnings) == 2 and "step_0000006" in warnings[0] and "shards/rank00000-000.safetensors has 100 bytes" in warnings[0]
     assert "step_0000004" in warnings[1] and "rng_rank0.safetensors is missing" in warnings[1]
@@ -295,7 +295,7 @@ def test_prune_goes_by_step_number_up_to_the_step_just_written(tmp_path):
 
 def test_non_finite_loss_stops_naming_the_step_and_writes_no_checkpoint(tmp_path):
     out = tmp_path / "run"
-    result = run(train_cmd(*BASE, f"output_dir={out}"), env=fault_env(tmp_path, "nan@2"))
+    result = run(warm_cmd(1, *BASE, f"output_dir={out}"), env=fault_env(tmp_path, "nan@2"))
     assert result.returncode == 2 and "Traceback" not in result.output
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "non-finite loss or gradients at step 2" in errors[0]
@@ -308,11 +308,11 @@ def test_between_agreements_a_signal_and_a_non_finite_step_are_still_caught(tmp_
     steps: a signal on one rank stops both at step 16, and a NaN at step 2 is still named as step 2."""
     quiet = (*BASE, "train.max_steps=40", "train.lr_decay_steps=40", "train.log_interval=100", "eval.interval=0", "checkpoint.interval=0")
     out = tmp_path / "signal"
-    result = check(run(torchrun_cmd(2, *quiet, f"output_dir={out}"), env=fault_env(tmp_path, "sigterm@3:rank=1")))
+    result = check(run(warm_cmd(2, *quiet, f"output_dir={out}"), env=fault_env(tmp_path, "sigterm@3:rank=1")))
     assert "SIGTERM: stopped at step 16 of 40" in result.output
     assert json.loads((out / "checkpoints" / "step_0000016" / "trainer_state.json").read_text())["step"] == 16
     out = tmp_path / "nan"
-    result = run(torchrun_cmd(2, *quiet, f"output_dir={out}"), env=fault_env(tmp_path, "nan@2:rank=1"))
+    result = run(warm_cmd(2, *quiet, f"output_dir={out}"), env=fault_env(tmp_path, "nan@2:rank=1"))
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode != 0 and len(errors) == 1, result.output[-3000:]
     assert "non-finite loss or gradients at step 2 (all ranks stopped at step 16" in errors[0]
@@ -321,7 +321,7 @@ def test_between_agreements_a_signal_and_a_non_finite_step_are_still_caught(tmp_
 
 def test_non_finite_steps_are_skipped_up_to_the_limit_on_all_ranks(tmp_path):
     out = tmp_path / "run"
-    result = check(run(torchrun_cmd(2, *BASE, "train.max_skipped_steps=1", f"output_dir={out}"), env=fault_env(tmp_path, "nan@2:rank=1")))
+    result = check(run(warm_cmd(2, *BASE, "train.max_skipped_steps=1", f"output_dir={out}"), env=fault_env(tmp_path, "nan@2:rank=1")))
     assert "non-finite loss or gradients at step 2: update skipped (1 of at most 1)" in result.output
     for folder in checkpointer.list_checkpoints(out / "checkpoints"):
         weights = load_weights(folder)

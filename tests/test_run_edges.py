@@ -22,7 +22,7 @@ import pytest
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from helpers import REPO, TINY, check, launch_env, read_metrics, run, snapshot, torchrun_cmd, train_cmd
+from helpers import REPO, TINY, check, launch_env, read_metrics, run, snapshot, torchrun_cmd, train_cmd, warm_cmd
 from parallel_train import errors, faults
 from parallel_train.checkpoint import checkpointer
 from parallel_train.checkpoint.export import load_weights
@@ -52,7 +52,7 @@ def train_here(capsys, *args: str) -> tuple[str, str]:
 def finished(tmp_path_factory) -> Path:
     """A finished one-process run: checkpoints at steps 3 and 6, model.safetensors, summary.json."""
     tmp = tmp_path_factory.mktemp("finished")
-    check(run(train_cmd(*TINY, f"output_dir={tmp / 'run'}"), env=launch_env(tmp)))
+    check(run(warm_cmd(1, *TINY, f"output_dir={tmp / 'run'}"), env=launch_env(tmp)))
     return tmp / "run"
 
 
@@ -168,7 +168,7 @@ def test_a_second_launch_into_a_running_folder_stops_naming_the_holder(tmp_path)
         held = json.loads((out / LOCK).read_text())
         assert held["pid"] == holder.pid and held["host"] and held["started"]
         before = snapshot(out)
-        second = run(train_cmd(*TINY, f"output_dir={out}"), env=launch_env(tmp_path))
+        second = run(warm_cmd(1, *TINY, f"output_dir={out}"), env=launch_env(tmp_path))
         errors_ = [line for line in second.output.splitlines() if line.startswith("error:")]
         assert second.returncode == 2 and len(errors_) == 1 and "Traceback" not in second.output, second.output[-2000:]
         assert f"is in use by another run (host {held['host']}, pid {holder.pid}, started" in errors_[0]
@@ -220,7 +220,7 @@ def test_a_full_disk_stops_the_run_in_one_line_and_it_resumes_once_space_is_free
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
         out, env = disk / "run", launch_env(tmp_path)
-        full = run(train_cmd(*TINY, f"output_dir={out}"), env=env)
+        full = run(warm_cmd(1, *TINY, f"output_dir={out}"), env=env)
         errors_ = [line for line in full.output.splitlines() if line.startswith("error:")]
         assert full.returncode == 2 and len(errors_) == 1 and "Traceback" not in full.output, full.output[-3000:]
         assert (
@@ -231,7 +231,7 @@ def test_a_full_disk_stops_the_run_in_one_line_and_it_resumes_once_space_is_free
         root = out / "checkpoints"
         assert [p.name for p in root.iterdir()] == ["step_0000003"] and verify(root / "step_0000003") is None
         subprocess.run(["mount", "-o", "remount,size=8m", str(disk)], check=True)
-        resumed = check(run(train_cmd(*TINY, f"output_dir={out}"), env=env))
+        resumed = check(run(warm_cmd(1, *TINY, f"output_dir={out}"), env=env))
         assert f"resumed from {root / 'step_0000003'} at step 3" in resumed.output
         assert [r["step"] for r in read_metrics(out) if r["kind"] == "train"] == list(range(1, 7))
     finally:
@@ -304,7 +304,7 @@ def test_a_user_error_on_one_rank_is_printed_by_that_rank(tmp_path):
     well within parallel.timeout_s. (Before, errors were printed by rank 0 only: this run said nothing.)"""
     started = time.monotonic()
     result = run(
-        torchrun_cmd(2, *TINY, "parallel.timeout_s=60", f"output_dir={tmp_path / 'run'}"),
+        warm_cmd(2, *TINY, "parallel.timeout_s=60", f"output_dir={tmp_path / 'run'}"),
         env=launch_env(tmp_path, **{faults.ENV: "user_error@2:rank=1"}),
     )
     lines = [line for line in result.stderr.splitlines() if "[fault] a user error" in line]
@@ -314,7 +314,7 @@ def test_a_user_error_on_one_rank_is_printed_by_that_rank(tmp_path):
 
 @pytest.mark.slow  # the same path, before the process group exists (the launcher's store): a misconfigured second node
 def test_a_user_error_on_one_rank_before_the_process_group_is_printed_by_that_rank(tmp_path):
-    result = run(torchrun_cmd(2, *TINY, f"output_dir={tmp_path / 'run'}"), env=launch_env(tmp_path, **{faults.ENV: "user_error@0:rank=1"}))
+    result = run(warm_cmd(2, *TINY, f"output_dir={tmp_path / 'run'}"), env=launch_env(tmp_path, **{faults.ENV: "user_error@0:rank=1"}))
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: rank 1 (host "), result.output[-3000:]
 

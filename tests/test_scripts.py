@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import PYTHON, TINY, accelerate_cmd, check, launch_env, run, torchrun_cmd, train_cmd
+from helpers import TINY, accelerate_cmd, check, launch_env, run, train_cmd, warm_cmd, warm_script
 from parallel_train.config.fields import key_name
 from parallel_train.config.sections import REPO_ROOT, Config
 
@@ -29,12 +29,12 @@ def runs(tmp_path_factory):
     # data.num_workers=3 on a 2-core machine: torch warns at every DataLoader of every rank (4 times here).
     ddp = accelerate_cmd("multi_cpu", *TINY, "train.log_interval=2", "data.num_workers=3", f"output_dir={out['ddp']}")
     logs = {"ddp": check(run(ddp, env=env))}
-    check(run(torchrun_cmd(2, *TINY, "parallel.pipeline_stages=2", "parallel.microbatches=2", f"output_dir={out['pipeline']}"), env=env))
+    check(run(warm_cmd(2, *TINY, "parallel.pipeline_stages=2", "parallel.microbatches=2", f"output_dir={out['pipeline']}"), env=env))
     return out, logs, env
 
 
 def sample(*args: str, env=None):
-    return run([PYTHON, "scripts/sample.py", *args], env=env or launch_env(), timeout=120)
+    return run(warm_script("scripts/sample.py", *args), env=env or launch_env(), timeout=120)
 
 
 def config_keys(node, prefix=""):
@@ -133,9 +133,9 @@ def test_every_run_draws_its_picture_and_plot_metrics_overlays_runs(runs, tmp_pa
         assert (run_dir / "metrics.png").read_bytes().startswith(PNG_MAGIC)
     target = tmp_path / "both.png"
     result = check(
-        run([PYTHON, "scripts/plot_metrics.py", str(out["ddp"]), str(out["pipeline"]), "--out", str(target)], env=env, timeout=120)
+        run(warm_script("scripts/plot_metrics.py", str(out["ddp"]), str(out["pipeline"]), "--out", str(target)), env=env, timeout=120)
     )
     assert result.stdout.strip() == str(target)
     assert target.read_bytes().startswith(PNG_MAGIC) and target.stat().st_size > 20_000
-    bad = run([PYTHON, "scripts/plot_metrics.py", str(tmp_path)], env=env, timeout=120)
+    bad = run(warm_script("scripts/plot_metrics.py", str(tmp_path)), env=env, timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "no metrics.jsonl" in bad.stderr

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from helpers import PYTHON, TINY, check, launch_env, run, summary, torchrun_cmd, train_cmd, train_losses
+from helpers import TINY, check, launch_env, run, summary, train_losses, warm_cmd, warm_script
 from parallel_train.checkpoint import checkpointer, storage
 from parallel_train.checkpoint.export import INDEX, export, load_weights, read_weights
 from parallel_train.checkpoint.manifest import SHARD_DIR
@@ -156,7 +156,7 @@ SGD += ("eval.batch_size=8",)
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tied")
     env = launch_env(tmp)
-    check(run(train_cmd(*SGD, f"output_dir={tmp / 'ref'}"), env=env))
+    check(run(warm_cmd(1, *SGD, f"output_dir={tmp / 'ref'}"), env=env))
     return tmp, env
 
 
@@ -173,7 +173,7 @@ def assert_equal_training(out, ref, steps=range(1, 7), rel=1e-5):
 def test_one_process_resumes_a_tied_model_bit_identically(runs):
     tmp, env = runs
     out = tmp / "resumed"
-    check(run(train_cmd(*SGD, f"resume={tmp / 'ref' / 'checkpoints' / 'step_0000003'}", f"output_dir={out}"), env=env))
+    check(run(warm_cmd(1, *SGD, f"resume={tmp / 'ref' / 'checkpoints' / 'step_0000003'}", f"output_dir={out}"), env=env))
     assert_equal_training(out, tmp / "ref", steps=range(4, 7), rel=0)
     assert (out / "model.safetensors").read_bytes() == (tmp / "ref" / "model.safetensors").read_bytes()
 
@@ -185,16 +185,16 @@ def test_ddp_and_a_two_stage_pipeline_train_a_tied_model_like_one_process(runs):
     the export holds the weight once, with the alias that sample.py restores."""
     tmp, env = runs
     ddp, pipe = tmp / "ddp", tmp / "pipeline"
-    check(run(torchrun_cmd(2, *SGD, "train.batch_size=2", f"output_dir={ddp}"), env=env))
+    check(run(warm_cmd(2, *SGD, "train.batch_size=2", f"output_dir={ddp}"), env=env))
     assert_equal_training(ddp, tmp / "ref")
     stages = ("parallel.pipeline_stages=2", "parallel.microbatches=2", "parallel.schedule=1f1b", "parallel.split=auto")
-    log = check(run(torchrun_cmd(2, *SGD, *stages, f"output_dir={pipe}"), env=env)).output
+    log = check(run(warm_cmd(2, *SGD, *stages, f"output_dir={pipe}"), env=env)).output
     assert "stage 0 on rank 0: tok_emb, pos_emb, drop" in log and "ln_f, head" in log
     assert_equal_training(pipe, tmp / "ref")
     assert summary(pipe)["final_val_loss"] == pytest.approx(summary(tmp / "ref")["final_val_loss"], rel=1e-5)
     weights = load_weights(pipe)
     assert torch.equal(weights["head.weight"], weights["tok_emb.weight"])
-    sampled = check(run([PYTHON, "scripts/sample.py", "--run", str(pipe), "--max_new_tokens", "20", "--prompt", "ROMEO:"], env=env))
+    sampled = check(run(warm_script("scripts/sample.py", "--run", str(pipe), "--max_new_tokens", "20", "--prompt", "ROMEO:"), env=env))
     assert sampled.stdout.startswith("ROMEO:") and len(sampled.stdout.rstrip("\n")) == len("ROMEO:") + 20
 
 
@@ -216,5 +216,5 @@ def test_tied_model_on_more_layouts(runs, name):
     out = tmp / name
     nproc, overrides = MORE[name]
     args = (*SGD, *overrides, f"output_dir={out}")
-    check(run(torchrun_cmd(nproc, *args) if nproc > 1 else train_cmd(*args), env=env))
+    check(run(warm_cmd(nproc, *args) if nproc > 1 else warm_cmd(1, *args), env=env))
     assert_equal_training(out, tmp / "ref")

@@ -14,7 +14,7 @@ import matplotlib
 import pytest
 import yaml
 
-from helpers import TINY, accelerate_cmd, check, free_port, launch_env, read_metrics, run, train_cmd
+from helpers import TINY, accelerate_cmd, check, free_port, launch_env, read_metrics, run, warm_cmd
 
 pytestmark = pytest.mark.multiprocess
 
@@ -113,7 +113,7 @@ def test_wandb_offline_without_credentials_on_two_processes_then_resume(tmp_path
 
     # Resume from the step-2 checkpoint on one process: the same wandb run id continues.
     (out / "checkpoints" / "step_0000004").rename(tmp_path / "moved_away")
-    second = check(run(train_cmd(*FEW, "tracker=wandb", f"output_dir={out}"), env=env))
+    second = check(run(warm_cmd(1, *FEW, "tracker=wandb", f"output_dir={out}"), env=env))
     assert "resumed from" in second.output and second.output.count("wandb sync ") == 1
     run_dirs = sorted((out / "wandb").glob("offline-run-*"))
     assert len(run_dirs) == 2 and all(d.name.endswith(run_id) for d in run_dirs)
@@ -142,7 +142,7 @@ def test_tensorboard_holds_the_same_metrics_as_metrics_jsonl(tmp_path):
 @pytest.mark.slow
 def test_tracker_none_writes_nothing_extra(tmp_path):
     out = tmp_path / "run"
-    result = check(run(train_cmd(*FEW, "tracker=none", f"output_dir={out}"), env=launch_env(tmp_path)))
+    result = check(run(warm_cmd(1, *FEW, "tracker=none", f"output_dir={out}"), env=launch_env(tmp_path)))
     assert RUN_FILES == {p.name for p in out.iterdir()}
     assert "tracker none" in result.output and "wandb" not in result.output
 
@@ -152,6 +152,6 @@ def test_wandb_with_a_key_but_no_reachable_server_logs_offline_at_once(tmp_path)
     out, env = tmp_path / "run", no_credentials_env(tmp_path)
     port = free_port()  # nothing listens there: wandb itself would retry for minutes, then fail
     env.update(WANDB_API_KEY="0" * 40, WANDB_BASE_URL=f"http://127.0.0.1:{port}")
-    result = check(run(train_cmd(*FEW, "tracker=wandb", f"output_dir={out}"), env=env, timeout=120))
+    result = check(run(warm_cmd(1, *FEW, "tracker=wandb", f"output_dir={out}"), env=env, timeout=120))
     assert f"wandb: cannot reach 127.0.0.1:{port}, logging offline" in result.output
     assert "tracker wandb (offline)" in result.output and len(list((out / "wandb").glob("offline-run-*"))) == 1

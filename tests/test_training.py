@@ -14,7 +14,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from helpers import TINY, accelerate_cmd, check, launch_env, read_metrics, run, summary, torchrun_cmd, train_cmd, train_losses
+from helpers import TINY, accelerate_cmd, check, launch_env, read_metrics, run, summary, train_losses, warm_cmd
 
 pytestmark = pytest.mark.multiprocess
 
@@ -28,12 +28,12 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("runs")
     env = launch_env(tmp)
     out = {name: tmp / name for name in ("single", "ddp", "accum", "resumed")}
-    check(run(train_cmd(*GLOBAL8, "train.batch_size=8", f"output_dir={out['single']}"), env=env))
+    check(run(warm_cmd(1, *GLOBAL8, "train.batch_size=8", f"output_dir={out['single']}"), env=env))
     ddp = check(run(accelerate_cmd("multi_cpu", *GLOBAL8, "train.batch_size=4", f"output_dir={out['ddp']}"), env=env))
-    check(run(train_cmd(*GLOBAL8, "train.batch_size=2", "train.gradient_accumulation_steps=4", f"output_dir={out['accum']}"), env=env))
+    check(run(warm_cmd(1, *GLOBAL8, "train.batch_size=2", "train.gradient_accumulation_steps=4", f"output_dir={out['accum']}"), env=env))
     # Stop after 3 steps, then continue to 6 with resume=auto (the default).
-    check(run(train_cmd(*GLOBAL8, "train.batch_size=8", "train.max_steps=3", f"output_dir={out['resumed']}"), env=env))
-    resumed = check(run(train_cmd(*GLOBAL8, "train.batch_size=8", f"output_dir={out['resumed']}"), env=env))
+    check(run(warm_cmd(1, *GLOBAL8, "train.batch_size=8", "train.max_steps=3", f"output_dir={out['resumed']}"), env=env))
+    resumed = check(run(warm_cmd(1, *GLOBAL8, "train.batch_size=8", f"output_dir={out['resumed']}"), env=env))
     return out, {"ddp": ddp, "resumed": resumed}
 
 
@@ -117,7 +117,7 @@ def test_seed_mlp_example_on_two_processes(tmp_path):
     r = check(
         run(
             # model.n_embd is GPT's key: the MLP ignores it (one notice) instead of failing on GPT's n_head rule
-            torchrun_cmd(
+            warm_cmd(
                 2,
                 "--config",
                 "configs/seed_mlp.yaml",
@@ -142,11 +142,11 @@ def test_bf16_and_fp16_train_and_an_fp16_overflow_is_the_scalers_not_a_fault(tmp
     """bf16 autocasts; fp16 scales the loss (parallel/precision.py). A forced overflow (inf gradients in step 2's first
     micro-batch, the loss finite) is skipped by the scaler, which lowers its scale, and with the default
     train.max_skipped_steps=0 the run goes on: the guard does not count it as a non-finite step."""
-    r = check(run(train_cmd(*TINY, "train.mixed_precision=bf16", f"output_dir={tmp_path / 'bf16'}"), env=launch_env(tmp_path)))
+    r = check(run(warm_cmd(1, *TINY, "train.mixed_precision=bf16", f"output_dir={tmp_path / 'bf16'}"), env=launch_env(tmp_path)))
     assert summary(tmp_path / "bf16")["mixed_precision"] == "bf16" and "precision bf16" in r.output
     out = tmp_path / "fp16"
     env = launch_env(tmp_path, ACCELERATE_MIXED_PRECISION="fp16", PARALLEL_TRAIN_FAULT="overflow@2")
-    r = check(run(train_cmd(*TINY, "train.gradient_accumulation_steps=2", f"output_dir={out}"), env=env))
+    r = check(run(warm_cmd(1, *TINY, "train.gradient_accumulation_steps=2", f"output_dir={out}"), env=env))
     assert "[fault] inf gradients at step 2" in r.output and "precision fp16" in r.output
     s = summary(out)
     assert s["mixed_precision"] == "fp16" and s["skipped_by_scaler_steps"] == 1 and s["steps"] == 6
@@ -169,6 +169,9 @@ def test_evaluation_before_the_first_log_step(tmp_path):
     """eval.interval below train.log_interval: the eval line has no train loss yet and says so."""
     out = tmp_path / "run"
     result = check(
-        run(train_cmd(*TINY, "train.max_steps=2", "eval.interval=1", "train.log_interval=5", f"output_dir={out}"), env=launch_env(tmp_path))
+        run(
+            warm_cmd(1, *TINY, "train.max_steps=2", "eval.interval=1", "train.log_interval=5", f"output_dir={out}"),
+            env=launch_env(tmp_path),
+        )
     )
     assert "step 1: train loss n/a, val loss" in result.output and summary(out)["final_val_loss"] > 0
