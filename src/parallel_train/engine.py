@@ -47,7 +47,7 @@ class Engine(Protocol):
     dp_rank: int  # the shard this process reads
     loss_owner: bool  # this rank's loss counts in the logged loss (not a tensor-parallel copy, nor a non-last stage)
 
-    def forward_backward(self, micro: list[tuple[torch.Tensor, torch.Tensor]], scale: torch.Tensor, precision) -> torch.Tensor:
+    def forward_backward(self, micro: list[tuple[torch.Tensor, ...]], scale: torch.Tensor, precision) -> torch.Tensor:
         """Forward and backward of this rank's micro-batches of one optimizer step, each micro-batch's summed token
         loss multiplied by `scale` (and the fp16 loss scale, `precision.scale`) before backward, gradients
         synchronised over the data-parallel ranks once. Returns this rank's summed token loss (a device tensor:
@@ -59,8 +59,9 @@ class Engine(Protocol):
         on every rank. A collective."""
         ...
 
-    def eval_forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Logits for inputs `x` where this rank reports them, None elsewhere. A collective on sharded models."""
+    def eval_forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor | None:
+        """Logits for inputs `x` (kwargs: a packed batch's positions, batch.py) where this rank reports them, None
+        elsewhere. A collective on sharded models."""
         ...
 
     def set_training(self, on: bool) -> None:

@@ -27,12 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
+from parallel_train.batch import Batch, parts, targets
 from parallel_train.guards import all_reduce_small
 from parallel_train.losses import valid_tokens
 from parallel_train.named_state import torch_optimizer
 from parallel_train.precision import Precision
-
-Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -44,7 +43,7 @@ class StepResult:
 
 def accumulate(
     micro: list[Batch],
-    forward: Callable[[torch.Tensor], torch.Tensor],
+    forward: Callable[..., torch.Tensor],
     loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     backward: Callable[[torch.Tensor], None],
     sync: Callable[[bool], AbstractContextManager],
@@ -52,12 +51,13 @@ def accumulate(
 ) -> torch.Tensor:
     """Forward and backward of each micro-batch in turn, `sync(last)` around each so that gradients are
     synchronised on the last one only (DDP's no_sync, FSDP2's set_requires_gradient_sync). Returns the summed
-    token loss (a device tensor: no host sync). Used by the engines whose model runs micro-batches one at a time."""
+    token loss (a device tensor: no host sync). Used by the engines whose model runs micro-batches one at a time.
+    `forward(inputs, **kwargs)`: kwargs are the batch's positions when it is packed (batch.py)."""
     total = torch.zeros((), device=device)
-    for i, (x, y) in enumerate(micro):
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    for i, batch in enumerate(micro):
+        x, y, kwargs = parts(batch, device)
         with sync(i == len(micro) - 1):
-            s = loss_sum(forward(x), y)
+            s = loss_sum(forward(x, **kwargs), y)
             backward(s)
         total += s.detach()
     return total
@@ -81,14 +81,14 @@ class Stepper:
         grad_norm = self._unscale_and_clip()
         self._update(loss_sum, grad_norm)
         engine.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss_sum, count, sum(y.numel() for _, y in micro))
+        return StepResult(loss_sum, count, sum(targets(b).numel() for b in micro))
 
     def count(self, micro: list[Batch]) -> torch.Tensor:
         """Valid targets of the step over every data-parallel rank, on the engine's device."""
         device = self.engine.device
         if self.every_target_counts:  # windows of text: every rank reads as many targets, none ignored
-            return torch.tensor(sum(y.numel() for _, y in micro) * self.engine.dp_size, device=device)
-        local = sum(valid_tokens(y) for _, y in micro).reshape(1)
+            return torch.tensor(sum(targets(b).numel() for b in micro) * self.engine.dp_size, device=device)
+        local = sum(valid_tokens(targets(b)) for b in micro).reshape(1)
         # Every process reads a batch; those that read the same one (tensor-parallel and pipeline peers) count it
         # again: world / dp_size copies of each data-parallel rank's count.
         total = all_reduce_small(local, torch.distributed.ReduceOp.SUM, device)
