@@ -7,7 +7,9 @@
 
 The folder holds config.json, model.safetensors (the trained weights under the model's own names) and the run's
 tokenizer files, so that `AutoModelForCausalLM.from_pretrained(OUT)` and `AutoTokenizer.from_pretrained(OUT)`
-load it. A training run writes output_dir/hf/ itself at the end; this script does the same for any checkpoint.
+load it. A training run writes output_dir/hf/ itself at the end; this script does the same for any checkpoint. A
+LoRA run's (model.lora_rank) holds the base model with the adapters merged in, and OUT-adapter beside it the
+adapters alone, for `peft.PeftModel.from_pretrained` (the run's own: output_dir/adapter).
 It reads the model's config.json from model.hf_path (the folder or the Hub cache the run trained from).
 """
 
@@ -58,7 +60,7 @@ def main() -> int:
     import yaml
 
     from parallel_train.config import config_from_dict
-    from parallel_train.models.hf_export import export_pretrained
+    from parallel_train.models.hf import HFCausalLM
     from parallel_train.tokenization import load_saved
     from parallel_train.weights_export import load_weights
 
@@ -74,7 +76,7 @@ def main() -> int:
     # The model's tensors only, by parameter name, assembled whole from the ranks' parts (weights_export.py): no
     # optimizer state is read. save_pretrained needs the whole model in memory, as the run's own export does.
     state = load_weights(args.source)
-    print(export_pretrained(cfg.model, state, out, tokenizer, source=str(args.source), dtype=args.dtype))
+    print(HFCausalLM.export(cfg.model, state, out, tokenizer, source=str(args.source), dtype=args.dtype))
     return 0
 
 

@@ -163,6 +163,11 @@ def _set(cfg: Config, key: str, value: Any, ignored: list[str] | None = None) ->
     parts = key.split(".")
     if parts[0] == "model" and len(parts) == 2 and parts[1] not in fields_of(cfg.model):
         owner = other_models_key(parts[1])
+        why = getattr(MODELS[owner].Config, "exclusive", {}).get(parts[1]) if owner is not None else None
+        if why and ignored is not None:  # e.g. model.lora_rank for the GPT: ignoring it would train something else than asked
+            raise UserError(
+                f"{key}: a key of model.name={owner} only ({why}), not of model.name={cfg.model.name}; drop it or use model.name={owner}"
+            )
         if owner is not None and ignored is not None:  # e.g. model.n_embd for the MLP: not its key, harmless
             ignored.append(f"{key} (a key of model.name={owner})")
             return

@@ -32,6 +32,7 @@ from parallel_train.guards import RunGuard, stop_message
 from parallel_train.messages import train_line
 from parallel_train.model_init import Whole, start_model
 from parallel_train.models import MODELS
+from parallel_train.models.hf_lora import check_same_base
 from parallel_train.named_state import torch_optimizer
 from parallel_train.optim import build_optimizer, build_scheduler
 from parallel_train.perf import Throughput, configure_backends, mfu, peak_flops, process_age_s
@@ -132,6 +133,12 @@ class Trainer:
             say(f"[parallel_train] data: {self.data.description}")
         # On the meta device when the model can start there: no rank builds the whole model (model_init.py).
         model, init = start_model(MODELS[cfg.model.name], cfg.model, self.data.vocab_size, cfg.train.seed)
+        params = list(model.parameters())  # on the meta device when it starts there: shapes only; a tied weight once
+        self.params = {
+            "trainable_params": sum(p.numel() for p in params if p.requires_grad),
+            "total_params": sum(p.numel() for p in params),
+        }
+        self.base_model = model.base_model() if hasattr(model, "base_model") else None  # what LoRA checkpoints need
         if isinstance(init, Whole) and splits_the_model(cfg, self.accelerator.num_processes):
             say(
                 f"notice: model.name={cfg.model.name} has no init_weights(name, module), so every rank builds the whole model "
@@ -151,12 +158,19 @@ class Trainer:
         )
         if self.engine.compiled:
             say(f"[parallel_train] compiled: {self.engine.compiled}")
+        trainable, total = self.params["trainable_params"], self.params["total_params"]
+        if trainable < total:  # LoRA: the optimizer holds the adapters only
+            say(f"[parallel_train] trainable: {trainable:,} of {total:,} parameters ({100 * trainable / total:.2f}%); the rest frozen")
         torch.manual_seed(cfg.train.seed + 1 + rank)  # per-rank dropout masks
 
     def _resume_or_start(self) -> None:
         """The training state: a fresh one, or the checkpoint's (weights, optimizer, schedule and RNG restored)."""
         self.state = TrainingState()
         if self.resume_from is not None:
+            saved = checkpoint.read_json(self.resume_from / "trainer_state.json").get("base_model")
+            notice = check_same_base(saved, self.base_model, self.resume_from)  # before its adapters are loaded
+            if notice:
+                say(notice)
             self.state = checkpoint.load(self.resume_from, self.engine, self.scheduler, self.precision)
             say(f"[parallel_train] resumed from {self.resume_from} at step {self.state.step}")
             notice = checkpoint.topology_notice(self.state, self.accelerator.num_processes, self.global_batch)
@@ -164,6 +178,7 @@ class Trainer:
                 say(notice)
         self.start_step = self.state.step
         self.state.world_size, self.state.global_batch = self.accelerator.num_processes, self.global_batch
+        self.state.base_model = self.base_model
         # guards.py: stop signals, non-finite loss/gradients, the stop step all ranks agree on
         self.guard = RunGuard(self.accelerator, self.cfg.train.max_skipped_steps, self.cfg.parallel.timeout_s, self.state.skipped_steps)
         self.stepper = Stepper(self.engine, self.precision, self.cfg.train, self.data.all_targets_count, self.guard.update_allowed)
@@ -337,6 +352,7 @@ class Trainer:
             "best_val_loss": state.best_val_loss,
             "final_val_metrics": state.final_val_metrics,
             "world_size": accelerator.num_processes,
+            **self.params,  # trainable_params, total_params: with LoRA the adapters against the whole model
             "distributed_type": accelerator.distributed_type.value,
             "mixed_precision": self.precision.name,
             "skipped_by_scaler_steps": self.stepper.skipped_by_scaler,
