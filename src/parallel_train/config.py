@@ -8,6 +8,7 @@ one-line `UserError` that names the offending key.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,24 @@ class DataConfig:
         choices=("auto", "full", "size"),
     )
     source: str = opt("text", "data loader (see parallel_train/data_sources.py): text reads data.path; add your own there")
+    format: str = opt(
+        "text",
+        "text: windows of one stream of text; chat: rows of messages (role, content); instruction: rows of a prompt and a "
+        "completion; chat and instruction learn only the assistant's tokens (docs/guide.md section 4)",
+        choices=("text", "chat", "instruction"),
+    )
+    chat_template: str = opt("", "chat/instruction: a jinja chat template file to use instead of the tokenizer's own")
+    messages_column: str = opt("messages", "data.format=chat: the column holding each row's list of messages")
+    prompt_column: str = opt("prompt", "data.format=instruction: the column holding each row's prompt")
+    completion_column: str = opt("completion", "data.format=instruction: the column holding each row's completion")
+    packing: bool = opt(
+        False,
+        "chat/instruction: pack several samples into each row of model.block_size tokens, each attending only to itself; "
+        "false: one sample per row, padded to the batch's longest",
+    )
+    truncate: bool = opt(
+        False, "chat/instruction: cut a sample longer than model.block_size + 1 tokens to that length; false: such a sample is an error"
+    )
     text_column: str = opt("text", "column holding the text in json/csv/parquet/Hub datasets")
     val_fraction: float = opt(0.1, "share of the corpus held out for validation (the last part)", above=0.0, below=1.0)
     num_samples: int = opt(64, "random data: number of samples; synthetic data: tokens in the train split", min=1)
@@ -327,6 +346,25 @@ def validate(cfg: Config) -> None:
     t, p = cfg.train, cfg.parallel
     check(bool(cfg.data.path), "data.path: must not be empty")
     check_spec(cfg.data.tokenizer)
+    d = cfg.data
+    check(
+        d.format == "text" or not d.streaming,
+        f"data.format={d.format}: samples are read whole (in memory, or prepared with scripts/prepare_data.py --format {d.format}), "
+        "not streamed; drop data.streaming",
+    )
+    if d.packing:  # the model must keep packed samples apart: it takes their positions (batch.py)
+        forward = getattr(MODELS[cfg.model.name], "forward", None)
+        check(
+            "positions" in inspect.signature(forward).parameters,
+            f"data.packing: model.name={cfg.model.name} does not take a packed batch's positions (forward(x, positions=None)), "
+            "so its samples would attend to each other; set data.packing=false, or see models/gpt.py",
+        )
+        check(p.tp == 1, f"data.packing with parallel.tp={p.tp}: not supported here; use parallel.dp_shard, or data.packing=false")
+    check(
+        d.format != "text" or not (d.packing or d.chat_template),
+        f"data.{'packing' if d.packing else 'chat_template'}: applies to samples (data.format=chat or instruction), not to "
+        "windows of text (data.format=text), which are full already",
+    )
     check(t.min_lr <= t.learning_rate, f"train.min_lr ({t.min_lr}) must not exceed train.learning_rate ({t.learning_rate})")
     check(
         not p.stage_devices or len(p.stage_devices) == p.pipeline_stages,

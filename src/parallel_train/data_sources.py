@@ -1,9 +1,10 @@
 """Data registry: `data.source` -> a loader `(Config, saved vocab or None) -> Data`.
 
 `text` (the default) is data.py's `build_datasets`: data.path names a .txt/.json/.jsonl/.csv/.parquet
-file, a Hub dataset (or a folder laid out like one), 'random' or 'synthetic'. Two kinds of `text` data
+file, a Hub dataset (or a folder laid out like one), 'random' or 'synthetic'. Three kinds of `text` data
 take their own path: a folder written by scripts/prepare_data.py (prepared_data.py: memory-mapped token
-shards) and, with data.streaming=true, a stream (streaming_data.py).
+shards), with data.streaming=true a stream (streaming_data.py), and with data.format=chat|instruction rows of
+conversations that learn only the answers (sft_data.py).
 
 To train on data of your own: write a loader in its own module (e.g. `parallel_train/dialogue_data.py`)
 that returns a `Data` (train and validation datasets whose batches are (inputs, targets), the
@@ -20,6 +21,7 @@ from parallel_train.config import Config
 from parallel_train.config_fields import check
 from parallel_train.data import Data, build_datasets
 from parallel_train.prepared_data import any_rank, is_prepared, load_prepared
+from parallel_train.sft_data import load_samples
 from parallel_train.streaming_data import load_stream
 
 DATA_SOURCES: dict[str, Callable[[Config, Any], Data]] = {
@@ -55,6 +57,8 @@ def load_data(cfg: Config, vocab: Any = None) -> Data:
     # Every rank takes the prepared path if any does: a node whose copy is missing then says so (a collective).
     elif cfg.data.source == "text" and any_rank(is_prepared(cfg.data.path)):
         data = load_prepared(cfg, vocab)
+    elif cfg.data.source == "text" and cfg.data.format != "text":  # chat or instruction rows (sft_data.py)
+        data = load_samples(cfg, vocab)
     else:
         data = DATA_SOURCES[cfg.data.source](cfg, vocab)
     check_inputs(cfg, data.inputs)  # a source of your own says what it gives

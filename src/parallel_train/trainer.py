@@ -190,11 +190,14 @@ class Trainer:
         trackers, the batch stream."""
         cfg, accelerator = self.cfg, self.accelerator
         self.config_yaml = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-        self.tokenizer_files = self.data.vocab.files() if self.data.vocab else {}
+        # The tokenizer and what goes with it (a chat template: Data.files), in output_dir and every checkpoint.
+        self.tokenizer_files = {**(self.data.vocab.files() if self.data.vocab else {}), **self.data.files}
         if accelerator.is_main_process:
             save_config(cfg, self.out / "config.yaml")
             if self.data.vocab is not None:
                 self.data.vocab.save(self.out)
+            for name, text in self.data.files.items():
+                (self.out / name).write_text(text, encoding="utf-8")
         self.metrics = MetricsLog(self.out / "metrics.jsonl", accelerator, cfg.tracker)
         self.metrics.truncate_after(self.start_step)
         init_trackers(accelerator, cfg.tracker, cfg.to_dict(), self.out, self.state.run_id)
