@@ -90,6 +90,12 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# The same rendering, with the assistant's text marked by {% generation %} (transformers' assistant mask).
+CHAT_TEMPLATE_MARKED = CHAT_TEMPLATE.replace(
+    "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}",
+    "{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}{% generation %}{{ m['content'] + '<|im_end|>' + '\n' }}"
+    "{% endgeneration %}{% else %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}{% endif %}",
+)
 
 
 def chat_tokenizer(vocab_size: int = VOCAB):

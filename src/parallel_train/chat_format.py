@@ -25,6 +25,7 @@ uses it). transformers is needed here (requirements-hf.txt); nothing else in the
 
 from __future__ import annotations
 
+import json
 import re
 import tempfile
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ import numpy as np
 from parallel_train.errors import UserError
 
 FILES = ("chat_template.jinja", "tokenizer_config.json")  # what save_pretrained writes beside tokenizer.json
+LOAD_TIME_KEYS = ("local_files_only", "is_local")  # what transformers writes about how a tokenizer was loaded
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")  # {% generation %}: the template marks the assistant's text
 
 
@@ -172,7 +174,11 @@ class ChatFormat:
             return {}
         with tempfile.TemporaryDirectory() as tmp:
             self.tokenizer.save_pretrained(tmp)
-            return {name: (Path(tmp) / name).read_text(encoding="utf-8") for name in FILES if (Path(tmp) / name).is_file()}
+            files = {name: (Path(tmp) / name).read_text(encoding="utf-8") for name in FILES if (Path(tmp) / name).is_file()}
+        if "tokenizer_config.json" in files:  # how it was loaded (HF_HUB_OFFLINE, ...) is not the tokenizer's: same bytes everywhere
+            config = {k: v for k, v in json.loads(files["tokenizer_config.json"]).items() if k not in LOAD_TIME_KEYS}
+            files["tokenizer_config.json"] = json.dumps(config, indent=2) + "\n"
+        return files
 
 
 def load_format(kind: str, spec: str, core: Any, run_tokenizer: Any, template_file: str = "", columns: tuple[str, ...] = ()) -> ChatFormat:
