@@ -59,6 +59,7 @@ def main() -> int:
     args = parse(sys.argv[1:])
     import yaml
 
+    from parallel_train.chat_format import FILES as CHAT_FILES
     from parallel_train.config import config_from_dict
     from parallel_train.models.hf import HFCausalLM
     from parallel_train.tokenization import load_saved
@@ -76,7 +77,9 @@ def main() -> int:
     # The model's tensors only, by parameter name, assembled whole from the ranks' parts (weights_export.py): no
     # optimizer state is read. save_pretrained needs the whole model in memory, as the run's own export does.
     state = load_weights(args.source)
-    print(HFCausalLM.export(cfg.model, state, out, tokenizer, source=str(args.source), dtype=args.dtype))
+    # The chat template the run trained with (data.format=chat|instruction), saved beside its tokenizer.
+    chat_files = {name: (args.source / name).read_text(encoding="utf-8") for name in CHAT_FILES if (args.source / name).is_file()}
+    print(HFCausalLM.export(cfg.model, state, out, tokenizer, source=str(args.source), dtype=args.dtype, chat_files=chat_files))
     return 0
 
 

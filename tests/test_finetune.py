@@ -232,6 +232,35 @@ def test_lora_starts_from_the_base_trains_only_adapters_and_leaves_the_base_bit_
             assert torch.equal(p, files[name.replace(".base_layer.", ".")]), name
     assert set(model.state_dict()) == trainable
     assert not torch.allclose(model(x), base(x))
+    from parallel_train.pipeline.split import stage_module
+
+    embedding_only = stage_module(model, ["model.embed_tokens"])  # a pipeline stage holding no adapter
+    assert embedding_only(x).requires_grad  # still sends a tensor with a gradient, which pipelining's backward needs
+
+
+def test_lora_export_writes_merged_and_adapter_folders_with_the_run_template(chat, tmp_path):
+    """What the run's end writes, in process: hf/ (merged) loads with the model's logits, adapter/ loads with peft,
+    and the chat template the run trained with (data.chat_template) replaces the model folder's in hf/."""
+    from parallel_train.models.hf import HFCausalLM
+    from parallel_train.tokenization import load_tokenizer
+
+    cfg = lora_cfg(chat["model"])
+    model = HFCausalLM(cfg, 300)
+    with torch.no_grad():  # stands for training: adapters unlike their start
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+    line = HFCausalLM.export(
+        cfg, model.state_dict(), tmp_path / "hf", load_tokenizer(str(chat["model"])), chat_files={"chat_template.jinja": "X"}
+    )
+    assert "LoRA adapters merged" in line and str(tmp_path / "adapter") in line
+    x = torch.randint(0, 300, (2, 24))
+    with torch.no_grad():
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")(x).logits
+        adapted = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(chat["model"]), tmp_path / "adapter")
+        torch.testing.assert_close(merged, model(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(adapted(input_ids=x).logits, model(x), rtol=1e-5, atol=1e-5)
+    assert (tmp_path / "hf" / "chat_template.jinja").read_text() == "X"
 
 
 def test_lora_refusals_and_the_base_model_check(chat, tmp_path):

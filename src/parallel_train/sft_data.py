@@ -64,13 +64,13 @@ def row_sources(d: DataConfig, inputs: list[str] | None = None, key: str = "data
                 raise loading_error(e, key, src.label, files) from None
             missing = [c for c in columns_of(d) if c not in ds.column_names]
             if missing:
-                key = (
+                column_key = (
                     "data.messages_column"
                     if d.format == "chat"
                     else f"data.{'prompt' if missing[0] == d.prompt_column else 'completion'}_column"
                 )
                 raise UserError(
-                    f"{key}: {missing[0]!r} is not a column of {files[0] if files else src.label!r}; columns: {', '.join(ds.column_names)}"
+                    f"{column_key}: {missing[0]!r} is not a column of {files[0] if files else src.label!r}; columns: {', '.join(ds.column_names)}"
                 )
             out.append((files[0] if files else src.label, ds.select_columns(list(columns_of(d)))))
     return out

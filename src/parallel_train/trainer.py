@@ -336,7 +336,8 @@ class Trainer:
         export(final if final.is_dir() else self.resume_from, out)  # model.safetensors, one whole tensor at a time
         own_format = getattr(MODELS[cfg.model.name], "export", None)  # a model from elsewhere saves its own format too
         if own_format is not None:  # from the whole model just written (save_pretrained takes it in memory)
-            say(f"[parallel_train] {own_format(cfg.model, load_weights(out), out / 'hf', self.data.vocab)}")
+            written = own_format(cfg.model, load_weights(out), out / "hf", self.data.vocab, chat_files=self.data.files)
+            say(f"[parallel_train] {written}")
         summary = {**self.summary(), **engine_summary}
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         say(f"[parallel_train] loss curves: {plot_runs([out], out / PICTURE)}")

@@ -24,6 +24,7 @@ separately, exported untied). Checkpoints of a tied model store the shared weigh
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -179,6 +180,13 @@ class HFCausalLM(nn.Module):
         `positions`: a packed batch's (batch.py), given to the model as position_ids, from which transformers'
         attention masks keep the samples apart."""
         if self.layout is None:
+            if positions is None:
+                return self.hf(input_ids=x, use_cache=False).logits
+            if "position_ids" not in inspect.signature(self.hf.forward).parameters:
+                raise UserError(
+                    f"data.packing: model.hf_path {self.hf_path!r} ({self.hf.config.model_type}) takes no position_ids, so packed "
+                    "samples cannot be kept apart; set data.packing=false"
+                )
             return self.hf(input_ids=x, position_ids=positions, use_cache=False).logits
         return hf_layouts.run_decoder(self, self.layout, self.hf.config, x, positions)
 
@@ -252,7 +260,7 @@ class HFCausalLM(nn.Module):
     def export(cfg: HFConfig, state: dict[str, torch.Tensor], out: Path, tokenizer: Any, **options: Any) -> str:
         """Write `out` as a Hugging Face model folder (hf_export.py); returns a line saying what was written. A LoRA
         run's `state` is its adapters: they are merged into the base model, read again from model.hf_path, and
-        written alone beside it too. `options`: export_pretrained's source and dtype."""
+        written alone beside it too. `options`: export_pretrained's source, dtype and chat_files."""
         base = None
         if cfg.lora_rank:
             plain = dataclasses.replace(cfg, lora_rank=0, activation_checkpointing=False)

@@ -108,10 +108,13 @@ def export_pretrained(
     source: str = "the run's weights",
     dtype: str | None = None,
     base: Any = None,
+    chat_files: dict[str, str] | None = None,
 ) -> str:
     """Write `out` (replaced whole: written beside it, then renamed), its weights in `dtype` (default: as trained).
     `base`: for a LoRA run, the transformers model with its pretrained weights, into which `state` (the adapters)
-    is merged; the adapters alone go to `adapter_folder(out)`. Returns one line saying what was written."""
+    is merged; the adapters alone go to `adapter_folder(out)`. `chat_files`: the chat template the run trained with
+    and its tokenizer config (chat_format.py), which replace the model folder's (data.chat_template may have given
+    another). Returns one line saying what was written."""
     dtype = dtype or cfg.dtype
     out, extra = Path(out), ""
     if base is None:
@@ -130,6 +133,8 @@ def export_pretrained(
         model.save_pretrained(folder)
         if saved is not None:
             saved.save_pretrained(folder)
+            for name, text in (chat_files or {}).items():
+                (folder / name).write_text(text, encoding="utf-8")
 
     replace_folder(out, write)
     note = "" if saved is not None else " (no tokenizer files: the run's tokenizer has no Hugging Face form)"

@@ -136,6 +136,8 @@ def run_decoder(model: nn.Module, layout: Layout, config: Any, x: torch.Tensor, 
     h = x
     if getattr(base, layout.embeddings[0]) is not None:
         h = layout.embed(base, x, positions)
+        if getattr(model, "lora", False) and torch.is_grad_enabled() and not any(p.requires_grad for p in model.parameters()):
+            h.requires_grad_()  # a LoRA pipeline stage with no adapter (the embedding alone): pipelining's backward needs a gradient
     layers = getattr(base, layout.layers)
     inputs = LayerInputs(base, layout, config, h, positions) if len(layers) else None
     for key, layer in layers.named_children():
