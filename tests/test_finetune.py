@@ -285,6 +285,13 @@ def test_lora_refusals_and_the_base_model_check(chat, tmp_path):
     assert "has the same config.json" in check_same_base(mine, base_identity(str(moved)), tmp_path)
     with pytest.raises(UserError, match="holds the whole model"):
         check_same_base(None, mine, tmp_path)
+    from parallel_train.trainer import check_same_files
+
+    (tmp_path / "chat_template.jinja").write_text("A")  # the chat template a checkpoint's run trained with
+    check_same_files(tmp_path, {"chat_template.jinja": "A"})
+    check_same_files(tmp_path, {})  # text data: nothing to compare
+    with pytest.raises(UserError, match=r"^data.chat_template: the resumed run trained with another chat template"):
+        check_same_files(tmp_path, {"chat_template.jinja": "B"})
 
 
 # ---------------------------------------------------------------- real launches

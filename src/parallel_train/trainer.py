@@ -72,6 +72,18 @@ def check_output_dir(cfg: Config) -> Path:
     return out
 
 
+def check_same_files(checkpoint: Path, files: dict[str, str]) -> None:
+    """A resumed run renders its samples as the checkpoint's run did: the same chat template (Data.files), else the
+    masks of what it learns would change mid-run."""
+    template = "chat_template.jinja"
+    saved = checkpoint / template
+    if template in files and saved.is_file() and saved.read_text(encoding="utf-8") != files[template]:
+        raise UserError(
+            f"data.chat_template: the resumed run trained with another chat template ({saved}); resume with that one "
+            "(data.chat_template=FILE) or start a new output_dir"
+        )
+
+
 class TimedIterator:
     """Wraps the batch iterator and adds up the time spent waiting for data."""
 
@@ -129,6 +141,8 @@ class Trainer:
         cfg, rank = self.cfg, self.accelerator.process_index
         # The tokenizer of a resumed run is reused, so token ids cannot shift.
         self.data = load_data(cfg, load_saved(self.resume_from) if self.resume_from else None)
+        if self.resume_from is not None:
+            check_same_files(self.resume_from, self.data.files)
         if self.data.description:
             say(f"[parallel_train] data: {self.data.description}")
         # On the meta device when the model can start there: no rank builds the whole model (model_init.py).
