@@ -15,8 +15,10 @@ at a time (src/parallel_train/checkpoint/export.py).
 files and a `model.safetensors.index.json` weight map, as Hugging Face stores large models. A finished run's own
 model.safetensors is this export of its last checkpoint.
 --format hf (model.name=hf runs): config.json, model.safetensors under the model's own names and the run's tokenizer
-files, so that `AutoModelForCausalLM.from_pretrained(OUT)` and `AutoTokenizer.from_pretrained(OUT)` load it (the
-model's config.json comes from model.hf_path). A run writes output_dir/hf/ itself at the end.
+files (its chat template too), so that `AutoModelForCausalLM.from_pretrained(OUT)` and `AutoTokenizer.from_pretrained(OUT)`
+load it (the model's config.json comes from model.hf_path). A LoRA run's (model.lora_rank) holds the base model with
+the adapters merged in, and OUT-adapter beside it the adapters alone, for `peft.PeftModel.from_pretrained`. A run
+writes output_dir/hf/ (and output_dir/adapter/) itself at the end.
 """
 
 from __future__ import annotations
@@ -77,14 +79,18 @@ def export_hf(folder: Path, out: Path, dtype: str | None) -> str:
 
     from parallel_train.checkpoint.export import load_weights
     from parallel_train.config.load import config_from_dict
+    from parallel_train.data.chat_format import FILES as CHAT_FILES
     from parallel_train.data.tokenizers import load_saved
-    from parallel_train.models.hf_export import export_pretrained
+    from parallel_train.models.hf import HFCausalLM
 
     cfg = config_from_dict(yaml.safe_load((folder / "config.yaml").read_text()) or {})
     if cfg.model.name != "hf":
         raise UserError(f"{folder} trained model.name={cfg.model.name}; --format hf exports model.name=hf runs (use --format safetensors)")
+    # The chat template the run trained with (data.format=chat|instruction), saved beside its tokenizer.
+    chat_files = {name: (folder / name).read_text(encoding="utf-8") for name in CHAT_FILES if (folder / name).is_file()}
     # save_pretrained needs the whole model in memory, as the run's own export does; no optimizer state is read.
-    return export_pretrained(cfg.model, load_weights(folder), out, load_saved(folder), source=str(folder), dtype=dtype)
+    state = load_weights(folder)
+    return HFCausalLM.export(cfg.model, state, out, load_saved(folder), source=str(folder), dtype=dtype, chat_files=chat_files)
 
 
 def main() -> int:

@@ -4,10 +4,13 @@
     python scripts/sample.py --run runs/shakespeare_char --max_new_tokens 500
     python scripts/sample.py --run runs/shakespeare_char --prompt "ROMEO:" --temperature 0.8 --top_k 40 --seed 1
     python scripts/sample.py --checkpoint runs/shakespeare_char/checkpoints/step_0001000 --max_new_tokens 200
+    python scripts/sample.py --run runs/chat_lora --chat "Who art thou?"     # a chat fine-tune: its answer
 
 Loads model.safetensors (or a checkpoint's) with the run's config.yaml and tokenizer (vocab.json, or tokenizer.json
 for BPE and Hugging Face tokenizers). Works for runs
-from any launch (one process, DDP, FSDP, pipeline): weights are saved with the unsplit model's names.
+from any launch (one process, DDP, FSDP, pipeline): weights are saved with the unsplit model's names. With --chat,
+the question goes through the chat template the run trained with (data.format=chat|instruction: saved beside its
+tokenizer) as one user turn, and the answer is printed, up to the end of the assistant's turn.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--checkpoint", type=Path, help="a checkpoints/step_* folder instead of the run's final weights")
     p.add_argument("--max_new_tokens", type=int, default=200, help="tokens to generate")
     p.add_argument("--prompt", default="", help="text to continue (default: start from a newline)")
+    p.add_argument("--chat", help="a question to a chat fine-tune: rendered by the run's chat template; prints the answer")
     p.add_argument("--temperature", type=float, default=1.0, help="< 1: more conservative, > 1: more random")
     p.add_argument("--top_k", type=int, default=0, help="sample among the k likeliest tokens only (0: all)")
     p.add_argument("--seed", type=int, default=1337, help="random seed: the same seed gives the same text")
@@ -45,6 +49,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         raise UserError(f"--temperature: must be > 0, got {args.temperature}")
     if args.top_k < 0:
         raise UserError(f"--top_k: must be >= 0, got {args.top_k}")
+    if args.chat is not None and args.prompt:
+        raise UserError("give --prompt (text to continue) or --chat (a question), not both")
     return args
 
 
@@ -52,7 +58,7 @@ def main() -> int:
     args = parse(sys.argv[1:])
     import torch
 
-    from parallel_train.observe.generation import encode_prompt, generate, load_trained
+    from parallel_train.observe.generation import chat_answer, encode_prompt, generate, load_trained
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     try:
@@ -60,6 +66,12 @@ def main() -> int:
     except (RuntimeError, AssertionError) as e:
         raise UserError(f"--device {args.device}: not usable here ({str(e).splitlines()[0]})") from None
     trained = load_trained(args.run, args.checkpoint, device)
+    generator = torch.Generator().manual_seed(args.seed)
+    if args.chat is not None:
+        folder = args.checkpoint or args.run  # the chat template is saved beside the tokenizer, in both
+        sampling = {"temperature": args.temperature, "top_k": args.top_k, "generator": generator}
+        print(chat_answer(trained, folder, args.chat, args.max_new_tokens, **sampling), flush=True)
+        return 0
     prompt_ids = encode_prompt(trained.vocab, args.prompt)
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     out = generate(
@@ -69,7 +81,7 @@ def main() -> int:
         trained.cfg.model.block_size,
         args.temperature,
         args.top_k,
-        torch.Generator().manual_seed(args.seed),
+        generator,
     )
     print(trained.vocab.decode(out[0].tolist()), flush=True)
     return 0

@@ -77,3 +77,62 @@ def make_models(root: Path) -> dict[str, Path]:
         "llama": save_model(llama_config(), root / "llama", tokenizer),
         "gpt2": save_model(gpt2_config(), root / "gpt2", tokenizer),
     }
+
+
+# ---------------------------------------------------------------- chat: a tokenizer with a chat template, conversations
+
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+# ChatML, as Qwen's templates write it; a role it does not know is refused, as many models' templates do.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('Unknown role: ' + m['role']) }}{% endif %}"
+    "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# The same rendering, with the assistant's text marked by {% generation %} (transformers' assistant mask).
+CHAT_TEMPLATE_MARKED = CHAT_TEMPLATE.replace(
+    "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}",
+    "{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}{% generation %}{{ m['content'] + '<|im_end|>' + '\n' }}"
+    "{% endgeneration %}{% else %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}{% endif %}",
+)
+
+
+def chat_tokenizer(vocab_size: int = VOCAB):
+    """The byte-level BPE of train_tokenizer, with ChatML's two special tokens and its template; a turn ends with
+    <|im_end|>, its end-of-sequence token (what generation stops at)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS, IM_START, IM_END],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    text = (REPO / "data" / "tinyshakespeare.txt").read_text()
+    core.train_from_iterator([text[i : i + 10_000] for i in range(0, len(text), 10_000)], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token=IM_END, bos_token=EOS, pad_token=EOS, chat_template=CHAT_TEMPLATE)
+
+
+def make_chat_model(folder: Path, seed: int = 0) -> Path:
+    """A tiny Llama whose tokenizer has a chat template (an "instruct" model folder)."""
+    return save_model(llama_config(), folder, chat_tokenizer(), seed=seed)
+
+
+def conversations(n: int, seed: int = 0, turns: int = 3) -> list[dict]:
+    """n rows {"messages": [...]}: a system line, then `turns` user/assistant exchanges of Shakespeare's lines."""
+    import random
+
+    lines = [line for line in (REPO / "data" / "tinyshakespeare.txt").read_text().splitlines() if len(line) > 20]
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        messages = [{"role": "system", "content": "Answer in verse."}]
+        for _ in range(rng.randint(1, turns)):
+            messages += [{"role": "user", "content": rng.choice(lines)}, {"role": "assistant", "content": " ".join(rng.sample(lines, 2))}]
+        rows.append({"messages": messages})
+    return rows

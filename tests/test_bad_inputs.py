@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+import hf_tiny
 from helpers import PYTHON, TINY, check, launch_env, run, snapshot, train_cmd
 from parallel_train.checkpoint import checkpointer
 from parallel_train.data.prepare import Options, prepare
@@ -82,8 +83,19 @@ def env(tmp_path_factory):
     added = f / "added" / step.name
     shutil.copytree(step, added)
     (added / "extra_state.pkl").write_bytes(pickle.dumps(Payload(tmp / "pwned_added")))
+    # Fine-tuning (issue 17): a tiny chat Llama, one without a chat template, and rows of conversations.
+    hf_tiny.make_chat_model(f / "chat_llama")
+    hf_tiny.save_model(hf_tiny.llama_config(), f / "plain_llama", hf_tiny.train_tokenizer())
+    rows = hf_tiny.conversations(8, turns=1)
+    (f / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (f / "no_messages.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [rows[0], {"messages": None}, *rows[1:]]))
+    robot = {"messages": [{"role": "robot", "content": "beep"}, {"role": "assistant", "content": "boop"}]}
+    (f / "robot.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [robot, *rows]))
     return {"tmp": tmp, "run": run_dir, "files": f}
 
+
+# model.name=hf on chat rows, in an output_dir of its own (the GPT run's tokenizer is not this model's)
+CHAT = ["model.name=hf", "model.hf_path={files}/chat_llama", "model.block_size=128", "data.format=chat", "output_dir={files}/chat_out"]
 
 # (id, arguments; {run} {files} are filled in, what the error line must contain[, environment of the case])
 CASES = [
@@ -161,6 +173,39 @@ CASES = [
     ("output_dir_not_writable", ["output_dir={files}/a_file/sub"], "is not writable"),
     ("checkpoint_pickle_replaced", ["resume={files}/replaced/step_0000003"], "rank00000-000.safetensors is a pickle; refusing"),
     ("checkpoint_pickle_added", ["resume={files}/added/step_0000003"], "extra_state.pkl is a pickle-type file; refusing"),
+    # Fine-tuning (issue 17): chat data, LoRA, packing. A new output_dir: these fail before anything is written there.
+    (
+        "chat_rows_without_messages",
+        [*CHAT, "data.path={files}/no_messages.jsonl"],
+        "no_messages.jsonl: row 2 has no messages in 'messages'",
+    ),
+    (
+        "chat_role_unknown",
+        [*CHAT, "data.path={files}/robot.jsonl"],
+        "robot.jsonl: row 1: the chat template refused it (Unknown role: robot)",
+    ),
+    (
+        "chat_sample_longer_than_block",
+        [*CHAT, "data.path={files}/chats.jsonl", "model.block_size=16"],
+        "longer than model.block_size + 1 = 17; raise model.block_size, or cut such samples with data.truncate=true",
+    ),
+    (
+        "chat_without_template",
+        [*CHAT, "data.path={files}/chats.jsonl", "model.hf_path={files}/plain_llama"],
+        "plain_llama' has no chat template; give one with data.chat_template=FILE",
+    ),
+    (
+        "lora_targets_match_nothing",
+        [*CHAT, "data.path={files}/chats.jsonl", "data.truncate=true", "model.lora_rank=8", "model.lora_targets=[nothing]"],
+        "model.lora_targets: Target modules {'nothing'} not found in the base model",
+    ),
+    ("lora_with_gpt", ["model.lora_rank=8"], "model.lora_rank: a key of model.name=hf only (LoRA adapts a pretrained Hugging Face model)"),
+    ("packing_text_windows", ["data.packing=true"], "data.packing: applies to samples (data.format=chat or instruction)"),
+    (
+        "packing_model_without_positions",
+        ["model.name=mlp", "data.format=instruction", "data.packing=true"],
+        "data.packing: model.name=mlp does not take a packed batch's positions",
+    ),
 ]
 
 

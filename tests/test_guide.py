@@ -183,7 +183,7 @@ def test_customize_guide_as_written_trains_on_two_processes(tmp_path):
                     result = check(run(command(line), env=env, cwd=root, timeout=420))
                     ran[line] = result
                     assert "Traceback" not in result.output, (heading, line, result.output[-3000:])
-    assert skipped == 5 and len(ran) == 10, list(ran)  # the Hub dataset of 2b; section 4's install and fine-tunes
+    assert skipped == 5 and len(ran) == 15, list(ran)  # the Hub dataset of 2b; section 4's install and fine-tunes
     assert changed.count("src/parallel_train/data/sources.py") == 2 and "src/parallel_train/losses.py" in changed
     assert "src/parallel_train/eval_metrics.py" in changed
     assert not any(path.endswith("config/load.py") for path in changed)  # a model owns its keys: config/load.py never changes
@@ -218,6 +218,20 @@ def test_customize_guide_as_written_trains_on_two_processes(tmp_path):
     )
     sample = next(r.stdout for line, r in ran.items() if "runs/wordpiece" in line and "sample.py" in line)
     assert sample.startswith("romeo :") and len(own.encode(sample)) > 20
+
+    # 4a: LoRA on chat data, under DDP and FSDP2, sampled as a chat, exported merged and as adapters.
+    for name, engine in (("chat_lora", "data parallel"), ("chat_lora_fsdp", "device mesh (FSDP2")):
+        summary = json.loads((runs / name / "summary.json").read_text())
+        assert summary["world_size"] == 2 and 0 < summary["trainable_params"] < 0.05 * summary["total_params"], summary
+        log = next(r.output for line, r in ran.items() if f"output_dir=runs/{name}" in line)
+        assert f"engine: {engine}" in log and "packed into" in log and "trainable: 3,584 of" in log
+        assert (runs / name / "hf" / "chat_template.jinja").is_file() and (runs / name / "adapter" / "adapter_config.json").is_file()
+    answer = next(r.stdout for line, r in ran.items() if "--chat" in line)
+    assert answer.strip() and "<|im_start|>" not in answer
+    exported = root / "exported"
+    assert (exported / "chat_lora" / "model.safetensors").is_file() and (
+        exported / "chat_lora-adapter" / "adapter_model.safetensors"
+    ).is_file()
 
     # The new key is typed and documented like the others; the new names are validated like the others.
     help_text = check(run([PYTHON, "train.py", "--help"], cwd=root, env=env, timeout=60)).stdout

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from parallel_train.data.batch import parts, rows
 from parallel_train.eval_metrics import add_stats, add_totals, metric_stats, metric_values
 from parallel_train.parallel.collectives import all_gather
 
@@ -33,11 +34,11 @@ def evaluate(engine, val_batches) -> dict[str, float]:
     """Every validation metric ("loss" first) over the validation set. A collective: every rank calls it."""
     engine.set_training(False)
     totals = None
-    for x, y in val_batches:
-        lo, hi = rank_slice(len(x), engine.dp_size, engine.dp_rank)
+    for batch in val_batches:
+        lo, hi = rank_slice(len(batch[0]), engine.dp_size, engine.dp_rank)
         empty = hi == lo
-        xs, ys = (x[:1], y[:1]) if empty else (x[lo:hi], y[lo:hi])
-        logits = engine.eval_forward(xs)
+        xs, ys, kwargs = parts(rows(batch, 0, 1) if empty else rows(batch, lo, hi))
+        logits = engine.eval_forward(xs, **kwargs)
         if logits is not None and not empty:
             totals = add_stats(totals, metric_stats(logits, ys))
     engine.set_training(True)

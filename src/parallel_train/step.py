@@ -27,11 +27,10 @@ from dataclasses import dataclass
 import torch
 
 from parallel_train.checkpoint.named_state import torch_optimizer
+from parallel_train.data.batch import Batch, targets
 from parallel_train.losses import valid_tokens
 from parallel_train.parallel.collectives import all_reduce_small
 from parallel_train.parallel.precision import Precision
-
-Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -59,14 +58,14 @@ class Stepper:
         grad_norm = self._unscale_and_clip()
         self._update(loss_sum, grad_norm)
         engine.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss_sum, count, sum(y.numel() for _, y in micro))
+        return StepResult(loss_sum, count, sum(targets(b).numel() for b in micro))
 
     def count(self, micro: list[Batch]) -> torch.Tensor:
         """Valid targets of the step over every data-parallel rank, on the engine's device."""
         device = self.engine.device
         if self.every_target_counts:  # windows of text: every rank reads as many targets, none ignored
-            return torch.tensor(sum(y.numel() for _, y in micro) * self.engine.dp_size, device=device)
-        local = sum(valid_tokens(y) for _, y in micro).reshape(1)
+            return torch.tensor(sum(targets(b).numel() for b in micro) * self.engine.dp_size, device=device)
+        local = sum(valid_tokens(targets(b)) for b in micro).reshape(1)
         # Every process reads a batch; those that read the same one (tensor-parallel and pipeline peers) count it
         # again: world / dp_size copies of each data-parallel rank's count.
         total = all_reduce_small(local, torch.distributed.ReduceOp.SUM, device)

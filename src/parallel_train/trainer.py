@@ -35,6 +35,7 @@ from parallel_train.errors import is_first_process
 from parallel_train.evaluation import evaluate
 from parallel_train.guards import RunGuard, stop_message
 from parallel_train.models import MODELS
+from parallel_train.models.hf_lora import check_same_base
 from parallel_train.observe.messages import train_line
 from parallel_train.observe.perf import Throughput, configure_backends, mfu, peak_flops, process_age_s
 from parallel_train.observe.plots import PICTURE, plot_runs
@@ -46,7 +47,7 @@ from parallel_train.parallel.model_init import Whole, start_model
 from parallel_train.parallel.precision import make_precision
 from parallel_train.run.output_dir import check_output_dir, lock_output_dir
 from parallel_train.run.resume import choose_checkpoint
-from parallel_train.run.resume_config import SCHEDULE, apply_schedule, change_notice, config_changes
+from parallel_train.run.resume_config import SCHEDULE, apply_schedule, change_notice, check_same_files, config_changes
 from parallel_train.step import Stepper, StepResult
 
 
@@ -127,10 +128,18 @@ class Trainer:
         cfg, rank = self.cfg, self.accelerator.process_index
         # The tokenizer of a resumed run is reused, so token ids cannot shift.
         self.data = load_data(cfg, load_saved(self.resume_from) if self.resume_from else None)
+        if self.resume_from is not None:
+            check_same_files(self.resume_from, self.data.files)
         if self.data.description:
             say(f"[parallel_train] data: {self.data.description}")
         # On the meta device when the model can start there: no rank builds the whole model (parallel/model_init.py).
         model, init = start_model(MODELS[cfg.model.name], cfg.model, self.data.vocab_size, cfg.train.seed)
+        params = list(model.parameters())  # on the meta device when it starts there: shapes only; a tied weight once
+        self.params = {
+            "trainable_params": sum(p.numel() for p in params if p.requires_grad),
+            "total_params": sum(p.numel() for p in params),
+        }
+        self.base_model = model.base_model() if hasattr(model, "base_model") else None  # what LoRA checkpoints need
         if isinstance(init, Whole) and splits_the_model(cfg, self.accelerator.num_processes):
             say(
                 f"notice: model.name={cfg.model.name} has no init_weights(name, module), so every rank builds the whole model "
@@ -151,12 +160,19 @@ class Trainer:
         )
         if self.engine.compiled:
             say(f"[parallel_train] compiled: {self.engine.compiled}")
+        trainable, total = self.params["trainable_params"], self.params["total_params"]
+        if trainable < total:  # LoRA: the optimizer holds the adapters only
+            say(f"[parallel_train] trainable: {trainable:,} of {total:,} parameters ({100 * trainable / total:.2f}%); the rest frozen")
         torch.manual_seed(cfg.train.seed + 1 + rank)  # per-rank dropout masks
 
     def _resume_or_start(self) -> None:
         """The training state: a fresh one, or the checkpoint's (weights, optimizer, schedule and RNG restored)."""
         self.state = TrainingState()
         if self.resume_from is not None:
+            saved = checkpointer.read_json(self.resume_from / "trainer_state.json").get("base_model")
+            notice = check_same_base(saved, self.base_model, self.resume_from)  # before its adapters are loaded
+            if notice:
+                say(notice)
             self.state = checkpointer.load(self.resume_from, self.engine, self.scheduler, self.precision)
             say(f"[parallel_train] resumed from {self.resume_from} at step {self.state.step}")
             if any(key in SCHEDULE for key in self.changes):
@@ -168,6 +184,7 @@ class Trainer:
                 say(notice)
         self.start_step = self.state.step
         self.state.world_size, self.state.global_batch = self.accelerator.num_processes, self.global_batch
+        self.state.base_model = self.base_model
         # guards.py: stop signals, non-finite loss/gradients, the stop step all ranks agree on
         self.guard = RunGuard(self.accelerator, self.cfg.train.max_skipped_steps, self.cfg.parallel.timeout_s, self.state.skipped_steps)
         self.stepper = Stepper(self.engine, self.precision, self.cfg.train, self.data.all_targets_count, self.guard.update_allowed)
@@ -180,18 +197,21 @@ class Trainer:
         trackers, the batch stream."""
         cfg, accelerator = self.cfg, self.accelerator
         self.config_yaml = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-        self.tokenizer_files = self.data.vocab.files() if self.data.vocab else {}
+        # The tokenizer and what goes with it (a chat template: Data.files), in output_dir and every checkpoint.
+        self.tokenizer_files = {**(self.data.vocab.files() if self.data.vocab else {}), **self.data.files}
         self.metrics = MetricsLog(self.out / "metrics.jsonl", accelerator, cfg.tracker)
         self.metrics.truncate_after(self.start_step, say)  # first: a metrics.jsonl it cannot read stops the run before any write
         if accelerator.is_main_process:
             write_atomic(self.out / "config.yaml", self.config_yaml)  # what runs, LR changed on resume included
-            if self.data.vocab is not None:
-                try:
+            try:
+                if self.data.vocab is not None:
                     self.data.vocab.save(self.out)  # vocab.json or tokenizer.json, each written whole
-                except OSError as e:
-                    raise write_error(
-                        self.out / next(iter(self.tokenizer_files), "vocab.json"), e, sum(map(len, self.tokenizer_files.values()))
-                    ) from None
+                for name, text in self.data.files.items():  # a chat template (data.format=chat)
+                    write_atomic(self.out / name, text)
+            except OSError as e:
+                raise write_error(
+                    self.out / next(iter(self.tokenizer_files), "vocab.json"), e, sum(map(len, self.tokenizer_files.values()))
+                ) from None
         init_trackers(accelerator, cfg.tracker, cfg.to_dict(), self.out, self.state.run_id)
         position, notice = position_for(self.state.data_position, self.engine.dp_size, self.engine.dp_rank)
         if notice:  # a stream saved by another number of data-parallel ranks
@@ -334,7 +354,8 @@ class Trainer:
             raise write_error(out / "model.safetensors", e, sum(w.nbytes for w in checkpoint_weights(source).values())) from None
         own_format = getattr(MODELS[cfg.model.name], "export", None)  # a model from elsewhere saves its own format too
         if own_format is not None:  # from the whole model just written (save_pretrained takes it in memory)
-            say(f"[parallel_train] {own_format(cfg.model, load_weights(out), out / 'hf', self.data.vocab)}")
+            written = own_format(cfg.model, load_weights(out), out / "hf", self.data.vocab, chat_files=self.data.files)
+            say(f"[parallel_train] {written}")
         summary = {**self.summary(), **engine_summary}
         write_atomic(out / "summary.json", json.dumps(summary, indent=1))
         say(f"[parallel_train] loss curves: {plot_runs([out], out / PICTURE)}")
@@ -353,6 +374,7 @@ class Trainer:
             "best_val_loss": state.best_val_loss,
             "final_val_metrics": state.final_val_metrics,
             "world_size": accelerator.num_processes,
+            **self.params,  # trainable_params, total_params: with LoRA the adapters against the whole model
             "distributed_type": accelerator.distributed_type.value,
             "mixed_precision": self.precision.name,
             "skipped_by_scaler_steps": self.stepper.skipped_by_scaler,

@@ -33,6 +33,9 @@ class TrainingState:
     best_val_loss: float | None = None
     # A stream's position, every data-parallel rank's (data/streaming.py: {"dp_size", "ranks"}); None for data that needs only the step.
     data_position: dict[str, Any] | None = None
+    # The base model a checkpoint of LoRA adapters needs (models/hf_lora.py: path and config hash); None when the
+    # checkpoint holds the whole model.
+    base_model: dict[str, str] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -8,6 +8,7 @@ one-line `UserError` that names the offending key.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,11 @@ def _set(cfg: Config, key: str, value: Any, ignored: list[str] | None = None) ->
     parts = key.split(".")
     if parts[0] == "model" and len(parts) == 2 and parts[1] not in fields_of(cfg.model):
         owner = other_models_key(parts[1])
+        why = getattr(MODELS[owner].Config, "exclusive", {}).get(parts[1]) if owner is not None else None
+        if why and ignored is not None:  # e.g. model.lora_rank for the GPT: ignoring it would train something else than asked
+            raise UserError(
+                f"{key}: a key of model.name={owner} only ({why}), not of model.name={cfg.model.name}; drop it or use model.name={owner}"
+            )
         if owner is not None and ignored is not None:  # e.g. model.n_embd for the MLP: not its key, harmless
             ignored.append(f"{key} (a key of model.name={owner})")
             return
@@ -195,6 +201,25 @@ def validate(cfg: Config) -> None:
 
     t, p = cfg.train, cfg.parallel
     check(bool(cfg.data.path), "data.path: must not be empty")
+    d = cfg.data
+    check(
+        d.format == "text" or not d.streaming,
+        f"data.format={d.format}: samples are read whole (in memory, or prepared with scripts/prepare_data.py --format {d.format}), "
+        "not streamed; drop data.streaming",
+    )
+    if d.packing:  # the model must keep packed samples apart: it takes their positions (data/batch.py)
+        forward = getattr(MODELS[cfg.model.name], "forward", None)
+        check(
+            "positions" in inspect.signature(forward).parameters,
+            f"data.packing: model.name={cfg.model.name} does not take a packed batch's positions (forward(x, positions=None)), "
+            "so its samples would attend to each other; set data.packing=false, or see models/gpt.py",
+        )
+        check(p.tp == 1, f"data.packing with parallel.tp={p.tp}: not supported here; use parallel.dp_shard, or data.packing=false")
+    check(
+        d.format != "text" or not (d.packing or d.chat_template),
+        f"data.{'packing' if d.packing else 'chat_template'}: applies to samples (data.format=chat or instruction), not to "
+        "windows of text (data.format=text), which are full already",
+    )
     check(t.min_lr <= t.learning_rate, f"train.min_lr ({t.min_lr}) must not exceed train.learning_rate ({t.learning_rate})")
     check(
         not p.stage_devices or len(p.stage_devices) == p.pipeline_stages,

@@ -37,6 +37,24 @@ class DataConfig:
         choices=("auto", "full", "size"),
     )
     source: str = opt("text", "data loader (see parallel_train/data/sources.py): text reads data.path; add your own there")
+    format: str = opt(
+        "text",
+        "text: windows of one stream of text; chat: rows of messages (role, content); instruction: rows of a prompt and a "
+        "completion; chat and instruction learn only the assistant's tokens (docs/guide.md section 4)",
+        choices=("text", "chat", "instruction"),
+    )
+    chat_template: str = opt("", "chat/instruction: a jinja chat template file to use instead of the tokenizer's own")
+    messages_column: str = opt("messages", "data.format=chat: the column holding each row's list of messages")
+    prompt_column: str = opt("prompt", "data.format=instruction: the column holding each row's prompt")
+    completion_column: str = opt("completion", "data.format=instruction: the column holding each row's completion")
+    packing: bool = opt(
+        False,
+        "chat/instruction: pack several samples into each row of model.block_size tokens, each attending only to itself; "
+        "false: one sample per row, padded to the batch's longest",
+    )
+    truncate: bool = opt(
+        False, "chat/instruction: cut a sample longer than model.block_size + 1 tokens to that length; false: such a sample is an error"
+    )
     text_column: str = opt("text", "column holding the text in json/csv/parquet/Hub datasets")
     val_fraction: float = opt(0.1, "share of the corpus held out for validation (the last part)", above=0.0, below=1.0)
     num_samples: int = opt(64, "random data: number of samples; synthetic data: tokens in the train split", min=1)

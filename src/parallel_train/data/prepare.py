@@ -27,7 +27,7 @@ import numpy as np
 
 from parallel_train import faults
 from parallel_train.data.inputs import Source, load_source, resolve_inputs
-from parallel_train.data.prepared import FORMAT, META, SPLITS, VERSION, read_meta, shard_name, shard_problem, token_dtype
+from parallel_train.data.prepared import CHAT_FILES, FORMAT, META, SPLITS, VERSION, read_meta, shard_name, shard_problem, token_dtype
 from parallel_train.data.tokenizers import HF_FILE, VOCAB_FILE, Tokenizer, load_tokenizer, needs_corpus
 from parallel_train.errors import UserError
 
@@ -45,6 +45,12 @@ class Options:
     num_proc: int = 1
     shard_tokens: int = 100_000_000
     overwrite: bool = False
+    # --format chat|instruction: rows of samples with the mask of what they learn (data/prepare_samples.py)
+    format: str = "text"
+    chat_template: str = ""
+    messages_column: str = "messages"
+    prompt_column: str = "prompt"
+    completion_column: str = "completion"
 
 
 # ---------------------------------------------------------------- tokenizing
@@ -226,6 +232,10 @@ def fingerprint(sources: list[Source], opts: Options) -> str:
         "val_fraction": opts.val_fraction,
         "shard_tokens": opts.shard_tokens,
     }
+    if opts.format != "text":  # rows of samples: which columns, and the template that renders them
+        template = Path(opts.chat_template).read_bytes() if opts.chat_template and Path(opts.chat_template).is_file() else b""
+        columns = [opts.messages_column] if opts.format == "chat" else [opts.prompt_column, opts.completion_column]
+        described.update(format=opts.format, columns=columns, chat_template=hashlib.sha256(template).hexdigest())
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
 
 
@@ -253,7 +263,7 @@ def up_to_date(out: Path, print_fn, inputs_fingerprint: str, overwrite: bool) ->
             raise UserError(
                 f"--output {out}: holds data prepared from other inputs or options; choose another --output or pass --overwrite"
             )
-    ours = OURS + ((VOCAB_FILE, HF_FILE) if any(out.glob("train_*.bin")) else ())  # a lone tokenizer.json is not ours
+    ours = OURS + ((VOCAB_FILE, HF_FILE, *CHAT_FILES) if any(out.glob("train_*.bin")) else ())  # a lone tokenizer.json is not ours
     others = sorted(p.name for p in out.iterdir() if not any(p.match(g) for g in ours))
     if others:
         raise UserError(f"--output {out}: is not empty and holds no prepared data ({', '.join(others[:3])}); choose an empty or new folder")
@@ -264,7 +274,7 @@ def clear(out: Path) -> None:
     """Invalidate first (the metadata goes), then remove what an earlier or interrupted preparation left (not the
     scratch space of this one)."""
     (out / META).unlink(missing_ok=True)
-    for pattern in (*OURS, VOCAB_FILE, HF_FILE):
+    for pattern in (*OURS, VOCAB_FILE, HF_FILE, *CHAT_FILES):
         for p in out.glob(pattern):
             if p.name != WORK:
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
@@ -311,6 +321,9 @@ def _prepare_into(out: Path, work: Path, sources: list[Source], inputs_fingerpri
     import datasets
     from tqdm.auto import tqdm
 
+    if opts.format != "text":
+        return _prepare_samples_into(out, sources, inputs_fingerprint, opts)
+
     texts = [load_source(src, opts.text_column, work / "hf") for src in sources]
     if not any(len(ds) for ds in texts):
         raise UserError(f"--input {' '.join(opts.inputs)}: no text (empty)")
@@ -337,6 +350,20 @@ def _prepare_into(out: Path, work: Path, sources: list[Source], inputs_fingerpri
         "inputs": {"fingerprint": inputs_fingerprint, "given": opts.inputs, "text_column": opts.text_column, "bytes": text_bytes},
         "datasets_version": datasets.__version__,
     }  # fmt: skip
+
+
+def _prepare_samples_into(out: Path, sources: list[Source], inputs_fingerprint: str, opts: Options) -> dict[str, Any]:
+    """--format chat|instruction (data/prepare_samples.py): everything that can fail on bad rows runs before `clear`."""
+    from parallel_train.data import prepare_samples
+
+    rendered = prepare_samples.render(opts)
+    clear(out)
+    prepared = prepare_samples.write(out, rendered, opts)
+    prepared["tokenizer"].save(out)
+    for name, text in prepared["fmt"].files().items():  # the chat template training brings into the run
+        (out / name).write_text(text, encoding="utf-8")
+    text_bytes = sum(os.path.getsize(f) for s in sources for f in s.files)
+    return prepare_samples.metadata(opts, prepared, inputs_fingerprint, text_bytes)
 
 
 def _write_meta(out: Path, meta: dict[str, Any]) -> None:

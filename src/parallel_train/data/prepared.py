@@ -32,6 +32,9 @@ import torch
 from torch.utils.data import Dataset
 
 from parallel_train.config.sections import Config
+from parallel_train.data.chat_format import FILES as CHAT_FILES  # the chat template, saved beside the tokenizer
+from parallel_train.data.prepared_samples import PreparedSamples, companion_problem
+from parallel_train.data.sft import sample_datasets
 from parallel_train.data.text import Data, vocab_size_for
 from parallel_train.data.tokenizers import Tokenizer, load_saved
 from parallel_train.errors import UserError
@@ -121,6 +124,8 @@ def shard_problem(folder: Path, meta: dict[str, Any], full_hash: bool, id_limit:
                     f"{path} holds token id {top:,}, beyond the {id_limit:,} ids of the tokenizer next to it "
                     f"(an edited {META} or tokenizer file, or another preparation's shards)"
                 )
+            if problem := companion_problem(folder, s, full_hash):  # a chat/instruction shard's mask and offsets
+                return problem
     return None
 
 
@@ -277,6 +282,8 @@ def load_prepared(cfg: Config, saved: Tokenizer | None = None) -> Data:
             "resume with the data it was trained on, or start a new output_dir"
         )
     vocab_size = vocab_size_for(tokenizer, cfg)
+    if info.meta.get("samples") or cfg.data.format != "text":
+        return prepared_samples_data(cfg, info, tokenizer, vocab_size)
     splits = info.meta["splits"]
     train = PreparedWindows(TokenShards(folder, splits["train"]["shards"], info.meta["dtype"]), T)
     val = PreparedWindows(TokenShards(folder, splits["val"]["shards"], info.meta["dtype"]), T)
@@ -286,3 +293,26 @@ def load_prepared(cfg: Config, saved: Tokenizer | None = None) -> Data:
             f"{splits['val']['tokens']:,} validation tokens, each split needs at least {T + 1}"
         )
     return Data(train, val, tokenizer, vocab_size, order="seeded", description=info.describe(), all_targets_count=True)
+
+
+def prepared_samples_data(cfg: Config, info: PreparedInfo, tokenizer: Tokenizer, vocab_size: int) -> Data:
+    """The `Data` of chat or instruction samples prepared with --format (data/prepared_samples.py): padded or packed
+    like the same rows read into memory (data/sft.py), with the chat template saved beside the tokenizer."""
+    kind = (info.meta.get("samples") or {}).get("format", "text")
+    if kind != cfg.data.format:
+        raise UserError(
+            f"data.format={cfg.data.format}, but {info.folder} was prepared with --format {kind}; set data.format={kind} "
+            f"(or prepare the data again with --format {cfg.data.format})"
+        )
+    limit, splits = cfg.model.block_size + 1, info.meta["splits"]
+    train, val = (PreparedSamples(info.folder, splits[s]["shards"], info.meta["dtype"], limit, cfg.data.truncate) for s in SPLITS)
+    if len(train) < 1 or len(val) < 1:
+        raise UserError(f"data.path: {info.folder} holds {len(train)} train and {len(val)} validation samples; each split needs one")
+    pad_id = tokenizer.eot if tokenizer.eot is not None else 0
+    train_set, val_set = sample_datasets(cfg, train, val, pad_id)
+    files = {name: (info.folder / name).read_text(encoding="utf-8") for name in CHAT_FILES if (info.folder / name).is_file()}
+    how = (
+        f"packed into {len(train_set):,} rows ({100 * train_set.padding_share():.1f}% padding)" if cfg.data.packing else "padded per batch"
+    )
+    description = f"{info.describe()}; {len(train):,} train + {len(val):,} val {kind} samples, {how}"
+    return Data(train_set, val_set, tokenizer, vocab_size, description=description, files=files)

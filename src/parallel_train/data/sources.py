@@ -1,9 +1,10 @@
 """Data registry: `data.source` -> a loader `(Config, saved vocab or None) -> Data`.
 
 `text` (the default) is data/text.py's `build_datasets`: data.path names a .txt/.json/.jsonl/.csv/.parquet
-file, a Hub dataset (or a folder laid out like one), 'random' or 'synthetic'. Two kinds of `text` data
+file, a Hub dataset (or a folder laid out like one), 'random' or 'synthetic'. Three kinds of `text` data
 take their own path: a folder written by scripts/prepare_data.py (data/prepared.py: memory-mapped token
-shards) and, with data.streaming=true, a stream (data/streaming.py).
+shards), with data.streaming=true a stream (data/streaming.py), and with data.format=chat|instruction rows of
+conversations that learn only the answers (data/sft.py).
 
 To train on data of your own: write a loader in its own module (e.g. `parallel_train/dialogue_data.py`)
 that returns a `Data` (train and validation datasets whose batches are (inputs, targets), the
@@ -19,6 +20,7 @@ from typing import Any
 from parallel_train.config.fields import check
 from parallel_train.config.sections import Config
 from parallel_train.data.prepared import any_rank, is_prepared, load_prepared
+from parallel_train.data.sft import load_samples
 from parallel_train.data.streaming import load_stream
 from parallel_train.data.text import Data, build_datasets
 from parallel_train.data.tokenizers import check_spec
@@ -58,6 +60,8 @@ def load_data(cfg: Config, vocab: Any = None) -> Data:
     # Every rank takes the prepared path if any does: a node whose copy is missing then says so (a collective).
     elif cfg.data.source == "text" and any_rank(is_prepared(cfg.data.path)):
         data = load_prepared(cfg, vocab)
+    elif cfg.data.source == "text" and cfg.data.format != "text":  # chat or instruction rows (data/sft.py)
+        data = load_samples(cfg, vocab)
     else:
         data = DATA_SOURCES[cfg.data.source](cfg, vocab)
     check_inputs(cfg, data.inputs)  # a source of your own says what it gives

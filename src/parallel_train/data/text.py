@@ -9,7 +9,7 @@ samples.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +169,9 @@ class Data:
     all_targets_count: bool = False
     # What a batch's inputs are, checked against the model's `inputs` (config/model.py): "token ids" or "feature vectors".
     inputs: str = "token ids"
+    # Files the run saves beside its tokenizer, in output_dir and every checkpoint (name -> text): a chat template
+    # and the tokenizer's config (data/chat_format.py), so that scripts/sample.py --chat renders as training did.
+    files: dict[str, str] = field(default_factory=dict)
 
 
 def collate_fn(data: Data, dataset: Dataset) -> Callable:

@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from parallel_train.config.fields import check, opt
 from parallel_train.config.model import ModelConfig
 from parallel_train.errors import UserError
+from parallel_train.models import document_mask
 
 
 @dataclass
@@ -60,12 +61,13 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
+        """`mask`: packed documents kept apart (document_mask.py); None: plain causal attention."""
         B, T, _ = x.shape
         # (B, T, heads x head_dim) -> (B, heads, T, head_dim); under tensor parallelism this rank's heads only
         q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
         # Fused attention: flash / memory-efficient kernels on GPU, a fused kernel on CPU.
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        y = document_mask.attend(q, k, v, mask, dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_drop(self.proj(y))
 
@@ -91,8 +93,9 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
+        # The mask only when there is one: tensor parallelism prepares exactly one input of attn.
+        x = x + (self.attn(self.ln_1(x)) if mask is None else self.attn(self.ln_1(x), mask))
         return x + self.mlp(self.ln_2(x))
 
 
@@ -104,7 +107,7 @@ class GPT(nn.Module):
 
     def __init__(self, cfg: GPTConfig, vocab_size: int):
         super().__init__()
-        self.block_size, self.n_head = cfg.block_size, cfg.n_head
+        self.block_size, self.n_head, self.dropout_p = cfg.block_size, cfg.n_head, cfg.dropout
         self.activation_checkpointing = cfg.activation_checkpointing
         self.tok_emb = nn.Embedding(vocab_size, cfg.n_embd)
         self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
@@ -174,18 +177,21 @@ class GPT(nn.Module):
             )
         return plan
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, T) -> logits (B, T, vocab). A pipeline stage may lack some parts."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, vocab). A pipeline stage may lack some parts. `positions` (B, T): a
+        packed batch's positions within each sample (data/batch.py); each sample then attends only to itself."""
         if self.tok_emb is not None:
-            pos = torch.arange(x.size(1), device=x.device)
+            pos = torch.arange(x.size(1), device=x.device) if positions is None else positions
             x = self.drop(self.tok_emb(x) + self.pos_emb(pos))
+        # Once per forward (every stage of a pipeline builds its own); flex attention has no dropout.
+        mask = document_mask.for_positions(positions, flex=False if self.training and self.dropout_p else None)
         for block in self.blocks.values():
             if self.activation_checkpointing and torch.is_grad_enabled():
                 # Keep only the block's input; backward reruns its forward (same dropout masks: the RNG
                 # state is saved), trading about a third more compute for the block's activations.
-                x = checkpoint(block, x, use_reentrant=False)
+                x = checkpoint(block, x, mask, use_reentrant=False)
             else:
-                x = block(x)
+                x = block(x) if mask is None else block(x, mask)
         if self.ln_f is not None:
             x = self.ln_f(x)
         if self.head is not None:

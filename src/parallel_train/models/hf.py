@@ -24,6 +24,8 @@ own copy instead (trained separately, exported untied).
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +36,7 @@ from torch import nn
 from parallel_train.config.fields import check, opt
 from parallel_train.config.model import ModelConfig
 from parallel_train.errors import UserError
-from parallel_train.models import hf_export, hf_layouts, hf_loading, hf_tensor_parallel
+from parallel_train.models import hf_export, hf_layouts, hf_loading, hf_lora, hf_tensor_parallel
 from parallel_train.models.ties import find_ties, with_aliases
 
 
@@ -47,15 +49,32 @@ class HFConfig(ModelConfig):
     dtype: str = opt(
         "float32", "dtype of the weights (and optimizer state); bf16 compute: train.mixed_precision=bf16", choices=tuple(hf_loading.DTYPES)
     )
-    attn_implementation: str = opt("sdpa", "transformers attention kernel", choices=("sdpa", "eager", "flash_attention_2"))
+    attn_implementation: str = opt(
+        "sdpa",
+        "transformers attention kernel (packed samples kept apart by each: flash_attention_2 and flex_attention on GPUs)",
+        choices=("sdpa", "eager", "flash_attention_2", "flex_attention"),
+    )
     untie_embeddings: bool = opt(False, "give lm_head its own copy of a tied input embedding (trained apart, exported untied)")
     activation_checkpointing: bool = opt(
         False, "recompute each decoder layer's activations in backward: less memory, about 1/3 more compute"
     )
+    lora_rank: int = opt(0, "LoRA (peft): 0 trains every weight; R > 0 freezes them and trains rank-R adapters", min=0, max=65536)
+    lora_alpha: float = opt(16.0, "LoRA: the adapters' output is scaled by lora_alpha / lora_rank", above=0.0)
+    lora_dropout: float = opt(0.0, "LoRA: dropout on the adapters' input", min=0.0, below=1.0)
+    lora_targets: list[str] = opt(
+        [], "LoRA: the modules to adapt, by name ([q_proj,v_proj]) or [all-linear]; []: peft's default for the architecture"
+    )
+
+    # Keys that mean nothing for another model, and why: given with another model.name they are an error, not a notice.
+    exclusive = dict.fromkeys(("lora_rank", "lora_alpha", "lora_dropout", "lora_targets"), "LoRA adapts a pretrained Hugging Face model")
 
     def check(self) -> None:
         check(bool(self.hf_path), "model.hf_path: give a local model folder or a Hub name, e.g. model.hf_path=Qwen/Qwen2.5-0.5B")
         hf_loading.check_local_folder(self.hf_path)
+        check(
+            not self.lora_rank or self.hf_pretrained,
+            "model.lora_rank: LoRA adapts pretrained weights, which checkpoints do not hold; keep model.hf_pretrained=true",
+        )
 
     def own_tokenizer(self) -> str | None:
         return self.hf_path  # its folder's tokenizer.json (or the Hub repository's)
@@ -79,20 +98,36 @@ class HFCausalLM(nn.Module):
         if cfg.activation_checkpointing:
             hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         hf.config.use_cache = False  # training: no key/value cache
-        # Not a submodule: its children are, below, under their own names (so parameter names are its own).
         self.__dict__["hf"] = hf
-        for name, child in hf.named_children():
-            self.add_module(name, child)
+        self._register_parts()
         self.hf_path, self.pretrained = cfg.hf_path, cfg.hf_pretrained
+        self.lora = False  # set once the adapters are in (below): from then on checkpoints hold them only
         self.block_size = cfg.block_size
         self.layout = hf_layouts.layout_for(hf)
         self.pipeline_groups = self.layout.groups if self.layout else ()
         self._no_split_modules = list(getattr(hf, "_no_split_modules", None) or [])
         self.tp_plan = dict(getattr(hf, "tp_plan", None) or {})
         self.tied = find_ties(hf)  # {lm_head.weight: the input embedding's name} when tied
+        self._register_state_dict_hook(_adapters_only)
+        self.register_load_state_dict_post_hook(_base_not_missing)
         self.train()
         if self.pretrained and not next(self.parameters()).is_meta:  # built whole (tests, scripts): load its weights now
             self._load_pretrained()
+        if cfg.lora_rank:  # after the pretrained weights: peft wraps the loaded Linear layers as they are
+            self.weight_aliases.update(hf_lora.apply(hf, cfg))
+            self._register_parts()  # a targeted child of the model itself (lm_head) is a new module now
+            self.lora = True
+            self.lora_base = hf_lora.base_identity(cfg.hf_path)
+
+    def _register_parts(self) -> None:
+        """The transformers model is not a submodule: its children are, under their own names (so parameter
+        names are its own)."""
+        for name, child in self.hf.named_children():
+            self.add_module(name, child)
+
+    def base_model(self) -> dict[str, str] | None:
+        """The base model a LoRA checkpoint needs (hf_lora.py), None when checkpoints hold the whole model."""
+        return self.lora_base if self.lora else None
 
     def pretrained_files(self) -> list[Path] | None:
         """The safetensors files the first weights come from (parallel/model_init.py reads each rank's slices), or None for
@@ -101,8 +136,11 @@ class HFCausalLM(nn.Module):
 
     def init_weights(self, name: str, module: nn.Module) -> None:
         """transformers' own initialisation of one module (its `_init_weights`), for random weights and for what the
-        weight files lack (rotary tables and other non-persistent buffers)."""
-        self.hf._init_weights(module)
+        weight files lack (rotary tables and other non-persistent buffers); peft's own for a LoRA matrix."""
+        if hf_lora.is_adapter_module(name):
+            hf_lora.init_adapter(name, module)
+        else:
+            self.hf._init_weights(module)
 
     def _load_pretrained(self) -> None:
         from safetensors.torch import load_file
@@ -128,11 +166,20 @@ class HFCausalLM(nn.Module):
         self.hf.training = mode  # and the transformers model itself, which its own forward may consult
         return self
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, T) -> logits (B, T, vocab). A pipeline stage may lack some parts (hf_layouts.py)."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, vocab). A pipeline stage may lack some parts (hf_layouts.py).
+        `positions`: a packed batch's (data/batch.py), given to the model as position_ids, from which transformers'
+        attention masks keep the samples apart."""
         if self.layout is None:
-            return self.hf(input_ids=x, use_cache=False).logits
-        return hf_layouts.run_decoder(self, self.layout, self.hf.config, x)
+            if positions is None:
+                return self.hf(input_ids=x, use_cache=False).logits
+            if "position_ids" not in inspect.signature(self.hf.forward).parameters:
+                raise UserError(
+                    f"data.packing: model.hf_path {self.hf_path!r} ({self.hf.config.model_type}) takes no position_ids, so packed "
+                    "samples cannot be kept apart; set data.packing=false"
+                )
+            return self.hf(input_ids=x, position_ids=positions, use_cache=False).logits
+        return hf_layouts.run_decoder(self, self.layout, self.hf.config, x, positions)
 
     # What accelerate's FSDP2 preparation asks of a transformers model (its embeddings get FSDP units of their own).
     def get_input_embeddings(self) -> nn.Module:
@@ -153,6 +200,11 @@ class HFCausalLM(nn.Module):
         """How `parallel.tp` ranks cut this model, for `parallelize_module`: transformers' own plan for it, in torch
         ParallelStyles, over the modules this model (or pipeline stage) holds (hf_tensor_parallel.py)."""
         what = f"model.hf_path {self.hf_path!r}"
+        if self.lora:
+            raise UserError(
+                f"parallel.tp={tp}: tensor parallelism does not cut peft's LoRA layers here (model.lora_rank); "
+                "shard the model with FSDP2 instead (parallel.dp_shard)"
+            )
         if self.tied:
             raise UserError(
                 f"parallel.tp={tp}: {what} ties lm_head to its input embedding, which tensor parallelism cuts two ways; "
@@ -185,9 +237,32 @@ class HFCausalLM(nn.Module):
         n_params = sum(p.numel() for p in self.parameters())  # a tied weight once
         if not self.tied:
             n_params -= self.hf.get_input_embeddings().weight.numel()
-        return 6 * n_params + 12 * text.num_hidden_layers * text.hidden_size * self.block_size
+        # A frozen weight (LoRA's base) costs its forward and the gradient of its input, not its own: 4 per parameter.
+        frozen = sum(p.numel() for p in self.parameters() if not p.requires_grad)
+        return 6 * n_params - 2 * frozen + 12 * text.num_hidden_layers * text.hidden_size * self.block_size
 
     @staticmethod
-    def export(cfg: HFConfig, state: dict[str, torch.Tensor], out: Path, tokenizer: Any) -> str:
-        """Write `out` as a Hugging Face model folder (hf_export.py); returns a line saying what was written."""
-        return hf_export.export_pretrained(cfg, state, out, tokenizer)
+    def export(cfg: HFConfig, state: dict[str, torch.Tensor], out: Path, tokenizer: Any, **options: Any) -> str:
+        """Write `out` as a Hugging Face model folder (hf_export.py); returns a line saying what was written. A LoRA
+        run's `state` is its adapters: they are merged into the base model, read again from model.hf_path, and
+        written alone beside it too. `options`: export_pretrained's source, dtype and chat_files."""
+        base = None
+        if cfg.lora_rank:
+            plain = dataclasses.replace(cfg, lora_rank=0, activation_checkpointing=False)
+            base = HFCausalLM(plain, hf_loading.embedding_rows(hf_loading.load_config(cfg.hf_path))).hf
+        return hf_export.export_pretrained(cfg, state, out, tokenizer, base=base, **options)
+
+
+def _adapters_only(module: HFCausalLM, state: dict, prefix: str, local_metadata: Any) -> None:
+    """With LoRA a state dict holds the adapters only: the frozen base is read from model.hf_path at every start,
+    so checkpoints need not hold it."""
+    if module.lora:
+        for key in [k for k in state if k.startswith(prefix) and not hf_lora.is_adapter(k[len(prefix) :])]:
+            del state[key]
+
+
+def _base_not_missing(module: HFCausalLM, incompatible: Any) -> None:
+    """Loading a LoRA checkpoint: the frozen base is not missing (it comes from model.hf_path)."""
+    if module.lora:
+        for key in [k for k in incompatible.missing_keys if not hf_lora.is_adapter(k)]:
+            incompatible.missing_keys.remove(key)

@@ -7,7 +7,9 @@ and `AutoTokenizer.from_pretrained` load.
     output_dir/hf/tokenizer.json, ...       the run's tokenizer, where it has a Hugging Face form
 
 The trainer writes it at the end of a model.name=hf run; scripts/export.py --format hf writes it from any run or
-checkpoint. The weights are the template's canonical state dict, which for this model already carries the
+checkpoint. A LoRA run (model.lora_rank, hf_lora.py) holds only its adapters: the folder then holds the base model
+with the adapters merged into its weights, and a second folder beside it (`adapter_folder`) the adapters alone in
+peft's format. The weights are the template's canonical state dict, which for this model already carries the
 transformers names, so nothing is renamed: the model is built on the meta device (no memory, no random init),
 the weights are assigned to it, and `save_pretrained` writes them (sharded above 5 GB, the tied weight once).
 """
@@ -22,7 +24,7 @@ from typing import Any
 import torch
 
 from parallel_train.errors import UserError
-from parallel_train.models import hf_loading
+from parallel_train.models import hf_loading, hf_lora
 
 
 def build_empty(cfg: Any, dtype: str) -> Any:
@@ -81,23 +83,59 @@ def hf_tokenizer(tokenizer: Any, hf_path: str = "") -> Any | None:
     return None
 
 
-def export_pretrained(
-    cfg: Any, state: dict[str, torch.Tensor], out: Path, tokenizer: Any, source: str = "the run's weights", dtype: str | None = None
-) -> str:
-    """Write `out` (replaced whole: written beside it, then renamed), its weights in `dtype` (default: as trained).
-    Returns one line saying what it holds."""
-    dtype = dtype or cfg.dtype
-    model = build_empty(cfg, dtype)
-    load_weights(model, {k: v.to(hf_loading.DTYPES[dtype]) if v.is_floating_point() else v for k, v in state.items()}, source)
+def adapter_folder(out: Path) -> Path:
+    """Where a LoRA run's adapters go beside the merged folder: output_dir/adapter next to output_dir/hf, else
+    OUT-adapter next to OUT."""
     out = Path(out)
+    return out.with_name("adapter") if out.name == "hf" else out.with_name(f"{out.name}-adapter")
+
+
+def replace_folder(out: Path, write) -> None:
+    """`write(folder)` into a folder beside `out`, then put it in `out`'s place: never half a folder under its name."""
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    saved = hf_tokenizer(tokenizer, cfg.hf_path)
-    if saved is not None:
-        saved.save_pretrained(tmp)
+    write(tmp)
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
+
+
+def export_pretrained(
+    cfg: Any,
+    state: dict[str, torch.Tensor],
+    out: Path,
+    tokenizer: Any,
+    source: str = "the run's weights",
+    dtype: str | None = None,
+    base: Any = None,
+    chat_files: dict[str, str] | None = None,
+) -> str:
+    """Write `out` (replaced whole: written beside it, then renamed), its weights in `dtype` (default: as trained).
+    `base`: for a LoRA run, the transformers model with its pretrained weights, into which `state` (the adapters)
+    is merged; the adapters alone go to `adapter_folder(out)`. `chat_files`: the chat template the run trained with
+    and its tokenizer config (data/chat_format.py), which replace the model folder's (data.chat_template may have given
+    another). Returns one line saying what was written."""
+    dtype = dtype or cfg.dtype
+    out, extra = Path(out), ""
+    if base is None:
+        model = build_empty(cfg, dtype)
+        load_weights(model, {k: v.to(hf_loading.DTYPES[dtype]) if v.is_floating_point() else v for k, v in state.items()}, source)
+    else:
+        adapters = adapter_folder(out)
+        merged = []
+        replace_folder(adapters, lambda folder: merged.append(hf_lora.save_and_merge(base, cfg, state, folder)))
+        model = merged[0].to(hf_loading.DTYPES[dtype])
+        model.config.use_cache = True  # for inference: generate() uses the cache
+        extra = f" (LoRA adapters merged into the weights); the adapters alone, for peft: {adapters}"
+    saved = hf_tokenizer(tokenizer, cfg.hf_path)
+
+    def write(folder: Path) -> None:
+        model.save_pretrained(folder)
+        if saved is not None:
+            saved.save_pretrained(folder)
+            for name, text in (chat_files or {}).items():
+                (folder / name).write_text(text, encoding="utf-8")
+
+    replace_folder(out, write)
     note = "" if saved is not None else " (no tokenizer files: the run's tokenizer has no Hugging Face form)"
-    return f"Hugging Face model folder: {out}{note}"
+    return f"Hugging Face model folder: {out}{extra}{note}"

@@ -3,7 +3,8 @@
 A transformers causal LM runs embeddings -> decoder layers -> final norm -> lm_head, but its own `forward` needs
 every part. This module runs the same parts one by one and skips those a stage does not hold (set to None by
 the splitter), computing in every stage what its layers need besides the hidden states:
-- position ids from the sequence length (positions 0..T-1: the template trains on whole windows, no padding);
+- position ids: 0..T-1, or a packed batch's own positions (each sample's from 0; data/batch.py), from which
+  transformers' masks keep the packed samples apart (`find_packed_sequence_indices`);
 - the rotary cos/sin from the model's own rotary module (Llama-style models);
 - the causal mask through the model's attention implementation (`create_causal_mask`: None under sdpa, which
   then runs its is_causal kernel; a sliding-window mask for layers that slide).
@@ -32,11 +33,13 @@ class Layout:
     learned_positions: str | None = None  # its learned position embedding added to the tokens' (GPT-2), or None
     groups: tuple[tuple[str, ...], ...] = field(default=())  # parts that forward uses together: one stage
 
-    def embed(self, base: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, base: nn.Module, ids: torch.Tensor, where: torch.Tensor | None = None) -> torch.Tensor:
+        """`where`: each token's position (a packed batch's), else 0..T-1."""
         if self.learned_positions is None:
             return getattr(base, self.embeddings[0])(ids)
         tokens, positions, *rest = (getattr(base, name) for name in self.embeddings)
-        h = tokens(ids) + positions(torch.arange(ids.size(1), device=ids.device)[None])
+        where = torch.arange(ids.size(1), device=ids.device)[None] if where is None else where.to(ids.device)
+        h = tokens(ids) + positions(where)
         for module in rest:  # dropout
             h = module(h)
         return h
@@ -85,9 +88,10 @@ class LayerInputs:
     """What the decoder layers need besides the hidden states, for one batch: computed once per device (the
     stages of a one-process pipeline sit on different devices) from the model's own rotary module and masks."""
 
-    def __init__(self, base: nn.Module, layout: Layout, config: Any, hidden: torch.Tensor):
+    def __init__(self, base: nn.Module, layout: Layout, config: Any, hidden: torch.Tensor, positions: torch.Tensor | None = None):
         self.base, self.layout, self.config = base, layout, config
         self.batch, self.length, self.dtype = hidden.shape[0], hidden.shape[1], hidden.dtype
+        self.positions = positions  # a packed batch's (B, T), or None: 0..T-1
         self.cache: dict[torch.device, dict[str, Any]] = {}
 
     def _masks(self, embeds: torch.Tensor, positions: torch.Tensor) -> dict[str, Any]:
@@ -100,7 +104,7 @@ class LayerInputs:
         return masks
 
     def _compute(self, device: torch.device) -> dict[str, Any]:
-        positions = torch.arange(self.length, device=device)[None]
+        positions = torch.arange(self.length, device=device)[None] if self.positions is None else self.positions.to(device)
         # Only the shape, dtype and device of the hidden states matter to the masks and the rotary module.
         embeds = torch.empty(self.batch, self.length, 0, dtype=self.dtype, device=device)
         out = {"position_ids": positions, "masks": self._masks(embeds, positions)}
@@ -125,14 +129,17 @@ class LayerInputs:
         return inputs
 
 
-def run_decoder(model: nn.Module, layout: Layout, config: Any, x: torch.Tensor) -> torch.Tensor:
-    """Token ids (or the previous stage's hidden states) -> logits (or this stage's hidden states)."""
+def run_decoder(model: nn.Module, layout: Layout, config: Any, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Token ids (or the previous stage's hidden states) -> logits (or this stage's hidden states). `positions`:
+    a packed batch's (data/batch.py), which every stage receives."""
     base = getattr(model, layout.base)
     h = x
     if getattr(base, layout.embeddings[0]) is not None:
-        h = layout.embed(base, x)
+        h = layout.embed(base, x, positions)
+        if getattr(model, "lora", False) and torch.is_grad_enabled() and not any(p.requires_grad for p in model.parameters()):
+            h.requires_grad_()  # a LoRA pipeline stage with no adapter (the embedding alone): pipelining's backward needs a gradient
     layers = getattr(base, layout.layers)
-    inputs = LayerInputs(base, layout, config, h) if len(layers) else None
+    inputs = LayerInputs(base, layout, config, h, positions) if len(layers) else None
     for key, layer in layers.named_children():
         device = _device_of(layer, h.device)
         h = layer(h.to(device), use_cache=False, **inputs.for_layer(int(key), device))

@@ -89,8 +89,10 @@ def generate(
     temperature: float = 1.0,
     top_k: int = 0,
     generator: torch.Generator | None = None,
+    stop: set[int] | frozenset[int] = frozenset(),
 ) -> torch.Tensor:
-    """Append max_new_tokens sampled ids to ids (1, T); the model sees at most the last block_size ids."""
+    """Append max_new_tokens sampled ids to ids (1, T), or fewer: up to and including the first id in `stop` (the
+    end of an answer); the model sees at most the last block_size ids."""
     for _ in range(max_new_tokens):
         logits = model(ids[:, -block_size:])[:, -1, :].float() / temperature
         if top_k:
@@ -99,7 +101,24 @@ def generate(
         probs = torch.softmax(logits, dim=-1)
         next_id = torch.multinomial(probs.cpu(), 1, generator=generator).to(ids.device)
         ids = torch.cat([ids, next_id], dim=1)
+        if int(next_id[0, 0]) in stop:
+            break
     return ids
+
+
+def chat_answer(trained: Trained, folder: Path, question: str, max_new_tokens: int, **sampling: Any) -> str:
+    """The run's answer to one question, its prompt rendered by the chat template the run trained with (saved
+    beside its tokenizer; data/chat_format.py), sampled until the end-of-turn token; the answer only, without it."""
+    from parallel_train.data.chat_format import from_folder
+
+    fmt = from_folder(folder, trained.vocab)
+    prompt = fmt.prompt(question)
+    device = next(trained.model.parameters()).device
+    out = generate(
+        trained.model, torch.tensor([prompt], device=device), max_new_tokens, trained.cfg.model.block_size, stop=fmt.stop_ids(), **sampling
+    )
+    answer = out[0, len(prompt) :].tolist()
+    return trained.vocab.decode(answer[:-1] if answer and answer[-1] in fmt.stop_ids() else answer)
 
 
 def encode_prompt(vocab: Any, prompt: str) -> list[int]:

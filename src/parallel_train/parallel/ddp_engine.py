@@ -72,9 +72,9 @@ class DataParallelEngine:
     def forward_backward(self, micro, scale: torch.Tensor, precision: Precision) -> torch.Tensor:
         accelerator, A = self.accelerator, len(micro)
 
-        def forward(x: torch.Tensor) -> torch.Tensor:
+        def forward(x: torch.Tensor, **kwargs) -> torch.Tensor:  # kwargs: a packed batch's positions (data/batch.py)
             with precision.autocast():
-                return self.model(x)
+                return self.model(x, **kwargs)
 
         def backward(s: torch.Tensor) -> None:
             # accelerate's backward divides by gradient_accumulation_steps (a mean over micro-steps); `scale`
@@ -87,9 +87,9 @@ class DataParallelEngine:
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm)
 
-    def eval_forward(self, x: torch.Tensor) -> torch.Tensor:
+    def eval_forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
         with self.precision.autocast():
-            return self.model(x.to(self.device))
+            return self.model(x.to(self.device), **{k: v.to(self.device) for k, v in kwargs.items()})
 
     def set_training(self, on: bool) -> None:
         self.model.train(on)

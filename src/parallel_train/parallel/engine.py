@@ -23,8 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from parallel_train.checkpoint.named_state import RankState
-
-Batch = tuple[torch.Tensor, torch.Tensor]
+from parallel_train.data.batch import Batch, parts
 
 
 class Engine(Protocol):
@@ -36,7 +35,7 @@ class Engine(Protocol):
     dp_rank: int  # the shard this process reads
     loss_owner: bool  # this rank's loss counts in the logged loss (not a tensor-parallel copy, nor a non-last stage)
 
-    def forward_backward(self, micro: list[tuple[torch.Tensor, torch.Tensor]], scale: torch.Tensor, precision) -> torch.Tensor:
+    def forward_backward(self, micro: list[tuple[torch.Tensor, ...]], scale: torch.Tensor, precision) -> torch.Tensor:
         """Forward and backward of this rank's micro-batches of one optimizer step, each micro-batch's summed token
         loss multiplied by `scale` (and the fp16 loss scale, `precision.scale`) before backward, gradients
         synchronised over the data-parallel ranks once. Returns this rank's summed token loss (a device tensor:
@@ -48,8 +47,9 @@ class Engine(Protocol):
         on every rank. A collective."""
         ...
 
-    def eval_forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Logits for inputs `x` where this rank reports them, None elsewhere. A collective on sharded models."""
+    def eval_forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor | None:
+        """Logits for inputs `x` (kwargs: a packed batch's positions, data/batch.py) where this rank reports them, None
+        elsewhere. A collective on sharded models."""
         ...
 
     def set_training(self, on: bool) -> None:
@@ -72,7 +72,7 @@ class Engine(Protocol):
 
 def accumulate(
     micro: list[Batch],
-    forward: Callable[[torch.Tensor], torch.Tensor],
+    forward: Callable[..., torch.Tensor],
     loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     backward: Callable[[torch.Tensor], None],
     sync: Callable[[bool], AbstractContextManager],
@@ -80,12 +80,13 @@ def accumulate(
 ) -> torch.Tensor:
     """Forward and backward of each micro-batch in turn, `sync(last)` around each so that gradients are
     synchronised on the last one only (DDP's no_sync, FSDP2's set_requires_gradient_sync). Returns the summed
-    token loss (a device tensor: no host sync). Used by the engines whose model runs micro-batches one at a time."""
+    token loss (a device tensor: no host sync). Used by the engines whose model runs micro-batches one at a time.
+    `forward(inputs, **kwargs)`: kwargs are the batch's positions when it is packed (data/batch.py)."""
     total = torch.zeros((), device=device)
-    for i, (x, y) in enumerate(micro):
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    for i, batch in enumerate(micro):
+        x, y, kwargs = parts(batch, device)
         with sync(i == len(micro) - 1):
-            s = loss_sum(forward(x), y)
+            s = loss_sum(forward(x, **kwargs), y)
             backward(s)
         total += s.detach()
     return total

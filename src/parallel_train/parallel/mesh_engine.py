@@ -79,19 +79,19 @@ class MeshEngine:
         return nullcontext()
 
     def forward_backward(self, micro, scale: torch.Tensor, precision: Precision) -> torch.Tensor:
-        def forward(x: torch.Tensor) -> torch.Tensor:
+        def forward(x: torch.Tensor, **kwargs) -> torch.Tensor:  # kwargs: a packed batch's positions (data/batch.py)
             with precision.autocast(self.autocast):
-                return self.model(x)
+                return self.model(x, **kwargs)
 
         return accumulate(micro, forward, self.loss_fn, lambda s: precision.scale(s * scale).backward(), self._sync, self.device)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm(self.params, max_norm)
 
-    def eval_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+    def eval_forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor | None:
         """Every rank runs the forward (FSDP all-gathers, TP all-reduces); tensor-parallel rank 0 reports."""
         with self.precision.autocast(self.autocast):
-            logits = self.model(x.to(self.device))
+            logits = self.model(x.to(self.device), **{k: v.to(self.device) for k, v in kwargs.items()})
         return logits if self.tp_rank == 0 else None
 
     def set_training(self, on: bool) -> None:

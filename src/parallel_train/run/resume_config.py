@@ -111,3 +111,15 @@ def apply_schedule(scheduler, learning_rate: float) -> None:
         group["initial_lr"] = learning_rate
         group["lr"] = learning_rate * lr_lambda(scheduler.last_epoch)
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
+def check_same_files(checkpoint: Path, files: dict[str, str]) -> None:
+    """A resumed run renders its samples as the checkpoint's run did: the same chat template (Data.files), else the
+    masks of what it learns would change mid-run."""
+    template = "chat_template.jinja"
+    saved = checkpoint / template
+    if template in files and saved.is_file() and saved.read_text(encoding="utf-8") != files[template]:
+        raise UserError(
+            f"data.chat_template: the resumed run trained with another chat template ({saved}); resume with that one "
+            "(data.chat_template=FILE) or start a new output_dir"
+        )

@@ -79,7 +79,7 @@ def measure_units(model: nn.Module, probe: Callable[[], tuple[torch.Tensor, torc
     (parallel/model_init.py). The times it measured stay in its `seconds` (for the banner)."""
 
     def measure(units: list[str]) -> list[float]:
-        x, y = probe()
+        x, y, *_ = probe()  # a packed batch's positions left out: the cost of a unit, not of a mask
         times = agreed_unit_times(model, units, x, y, device, init)
         measure.seconds = dict(zip(units, times, strict=True))
         return times

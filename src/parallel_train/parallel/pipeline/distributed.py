@@ -32,6 +32,7 @@ from torch import nn
 
 from parallel_train.checkpoint.named_state import RankState
 from parallel_train.config.sections import Config
+from parallel_train.data.batch import concat, parts
 from parallel_train.errors import UserError
 from parallel_train.losses import loss_sum
 from parallel_train.models.ties import find_ties
@@ -209,15 +210,17 @@ class MultiProcessPipelineEngine:
 
     def forward_backward(self, micro, scale: torch.Tensor, precision: Precision) -> torch.Tensor:
         """All micro-steps in one schedule step (A x M micro-batches): one flush, one gradient reduction."""
-        x, y = torch.cat([b[0] for b in micro]), torch.cat([b[1] for b in micro])
+        x, y, positions = parts(concat(micro), self.device)
         self._scale, self._sums = scale.to(self.device), []
         self.profiling = self._steps % self.profile_every == 0
         if self.profiling:
             self.recorder.start_flush()
-        args = (x.to(self.device),) if self.is_first else ()
-        kwargs = {"target": y.to(self.device), "losses": []} if self.is_last else {}
+        args = (x,) if self.is_first else ()
+        # A packed batch's positions go to every stage, each cut into the same micro-batches as the inputs: every
+        # pipeline rank reads the batch, and torch's schedules pass step()'s keyword arguments to all stages.
+        kwargs = {"target": y, "losses": []} if self.is_last else {}
         with precision.autocast(self.autocast):
-            self.schedule.step(*args, **kwargs, return_outputs=False)  # the losses are all it needs
+            self.schedule.step(*args, **kwargs, **positions, return_outputs=False)  # the losses are all it needs
         self.recorder.end_flush()
         self.profiling = False
         self._steps += 1
@@ -231,12 +234,12 @@ class MultiProcessPipelineEngine:
         """The global norm: squared norms of every stage's gradients summed over the pipeline ranks (a tied weight once)."""
         return clip_grad_norm(self.params, max_norm, self.pp_group, self.tied.not_counted())
 
-    def eval_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+    def eval_forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor | None:
         """Forward only through the stages (placement.forward_through); the last stage's tensor-parallel rank 0
-        reports the logits."""
+        reports the logits. kwargs (a packed batch's positions) go to every stage."""
         stages = dict(zip(self.stage_ids, self.stage_mods, strict=True))
         with self.precision.autocast(self.autocast):
-            logits = forward_through(stages, self.where, self.pp_rank, x, self.pp_group, self.device)
+            logits = forward_through(stages, self.where, self.pp_rank, x, self.pp_group, self.device, kwargs)
         return logits if logits is not None and self.tp_rank == 0 else None
 
     def set_training(self, on: bool) -> None:

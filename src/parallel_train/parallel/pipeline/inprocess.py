@@ -190,7 +190,8 @@ class PipelineModule(nn.Module):
     def finish_profile(self) -> None:
         self._close_flush()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions`: a packed batch's (data/batch.py), cut into the same micro-batches as the inputs."""
         training = self.training and torch.is_grad_enabled()
         if training:
             self._close_flush()  # the previous flush's backward has run by now
@@ -201,10 +202,12 @@ class PipelineModule(nn.Module):
         else:
             self.profiling = False  # evaluation is not part of the schedule picture
         x = x.to(self.devices[0])
+        chunks = torch.tensor_split(x, self.microbatches)
+        kwargs = [{}] * len(chunks) if positions is None else [{"positions": p} for p in torch.tensor_split(positions, self.microbatches)]
         outputs = []
-        for mb, chunk in enumerate(torch.tensor_split(x, self.microbatches)):
+        for mb, (chunk, kw) in enumerate(zip(chunks, kwargs, strict=True)):
             self._mb = mb
-            outputs.append(self.model(chunk))
+            outputs.append(self.model(chunk, **kw))
         return torch.cat(outputs)
 
 

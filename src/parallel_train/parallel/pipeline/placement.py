@@ -54,10 +54,14 @@ def _recv(src: int, group, device: torch.device) -> torch.Tensor:
     return t
 
 
-def forward_through(stages: dict[int, torch.nn.Module], where: dict[int, int], my_rank: int, x, group, device) -> torch.Tensor | None:
+def forward_through(
+    stages: dict[int, torch.nn.Module], where: dict[int, int], my_rank: int, x, group, device, kwargs: dict | None = None
+) -> torch.Tensor | None:
     """The model's output for input `x` (used on the rank of stage 0), returned on the rank of the last stage
-    (None elsewhere). `stages`: this rank's stage modules by index; `where`: stage index -> pipeline rank."""
+    (None elsewhere). `stages`: this rank's stage modules by index; `where`: stage index -> pipeline rank;
+    `kwargs` (a packed batch's positions, which every rank reads) go to every stage."""
     h = x.to(device) if 0 in stages else None
+    kwargs = {k: v.to(device) for k, v in (kwargs or {}).items()}
     for s in range(len(where)):
         if s > 0 and where[s - 1] != where[s]:
             if my_rank == where[s - 1]:
@@ -65,5 +69,5 @@ def forward_through(stages: dict[int, torch.nn.Module], where: dict[int, int], m
             elif my_rank == where[s]:
                 h = _recv(where[s - 1], group, device)
         if s in stages:
-            h = stages[s](h)
+            h = stages[s](h, **kwargs)
     return h if len(where) - 1 in stages else None
