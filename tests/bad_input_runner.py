@@ -26,6 +26,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
+import transformers  # noqa: E402,F401  (the fine-tuning cases' model.name=hf: seconds per case otherwise)
+
 import parallel_train.trainer  # noqa: E402,F401  (imported once here, shared by every forked case)
 from parallel_train.cli import main  # noqa: E402
 from parallel_train.errors import run_cli  # noqa: E402
@@ -34,6 +36,7 @@ TIMEOUT_S = 120
 
 
 def snapshot(folder: Path) -> dict[str, list]:
+    """Every file of the watched run."""
     return {
         str(p.relative_to(folder)): [p.stat().st_size, p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest()]
         for p in sorted(folder.rglob("*"))
@@ -62,26 +65,44 @@ def child(args: list[str], out: Path, err: Path, env: dict[str, str]) -> None:
         os._exit(code)
 
 
-def run_case(args: list[str], tmp: Path, env: dict[str, str]) -> dict:
-    out, err = tmp / "stdout", tmp / "stderr"
+def start_case(args: list[str], tmp: Path, env: dict[str, str]) -> int:
+    """Fork the case's process (its output to files under `tmp`); returns its pid."""
     pid = os.fork()
     if pid == 0:
-        child(args, out, err, env)
-    deadline = time.monotonic() + TIMEOUT_S
-    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
-        if time.monotonic() > deadline:
-            os.killpg(pid, signal.SIGKILL)
-            done = os.waitpid(pid, 0)
-            break
-        time.sleep(0.05)
-    return {"returncode": os.waitstatus_to_exitcode(done[1]), "stdout": out.read_text(), "stderr": err.read_text()}
+        child(args, tmp / "stdout", tmp / "stderr", env)
+    return pid
 
 
-def run_all(cases: list, watched: Path) -> dict:
-    results = {}
+def finish_case(pid: int, tmp: Path, deadline: float) -> dict | None:
+    """The case's outcome once its process has ended (killed past the deadline), else None."""
+    done = os.waitpid(pid, os.WNOHANG)
+    if done[0] == 0:
+        if time.monotonic() < deadline:
+            return None
+        os.killpg(pid, signal.SIGKILL)
+        done = os.waitpid(pid, 0)
+    return {"returncode": os.waitstatus_to_exitcode(done[1]), "stdout": (tmp / "stdout").read_text(), "stderr": (tmp / "stderr").read_text()}
+
+
+def run_all(cases: list, watched: Path, slots: int = 1) -> dict:
+    """Every case, `slots` at a time. One: most cases share the watched run's output_dir, which one run at a time may
+    hold (run/output_dir.py), so two at once would refuse each other."""
+    results: dict[str, dict] = {}
+    running: dict[str, tuple[int, Path, float]] = {}
+    queue = list(cases)
     with tempfile.TemporaryDirectory() as tmp:
-        for case_id, args, *env in cases:
-            results[case_id] = {**run_case(args, Path(tmp), env[0] if env else {}), "snapshot": snapshot(watched)}
+        while queue or running:
+            while queue and len(running) < slots:
+                case_id, args, *env = queue.pop(0)
+                folder = Path(tmp) / case_id
+                folder.mkdir()
+                running[case_id] = (start_case(args, folder, env[0] if env else {}), folder, time.monotonic() + TIMEOUT_S)
+            for case_id, (pid, folder, deadline) in list(running.items()):
+                outcome = finish_case(pid, folder, deadline)
+                if outcome is not None:
+                    results[case_id] = {**outcome, "snapshot": snapshot(watched)}
+                    del running[case_id]
+            time.sleep(0.02)
     return results
 
 

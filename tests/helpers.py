@@ -84,9 +84,9 @@ class WarmCmd(list):
     entry point and a real process group, without importing torch once per rank or starting torchrun. For tests
     whose point is what a layout computes or what a script prints, not how a launcher starts it."""
 
-    def __init__(self, nproc: int, script: str, args: tuple[str, ...]):
+    def __init__(self, nproc: int, script: str, args: tuple[str, ...], fresh: bool = False):
         super().__init__(["warm_launcher", f"--nproc={nproc}", script, *args])
-        self.nproc, self.script, self.args = nproc, script, list(args)
+        self.nproc, self.script, self.args, self.fresh = nproc, script, list(args), fresh
 
 
 def warm_cmd(nproc: int, *overrides: str) -> WarmCmd:
@@ -100,26 +100,24 @@ def warm_script(script: str, *args: str) -> WarmCmd:
 
 
 class WarmLauncher:
-    """The one warm launcher of this test session, started at its first use (a few seconds of imports) and left
-    to die with the session (its stdin closes)."""
+    """The warm launchers of this test session (one that imported this checkout's template, one "fresh" whose
+    children import it from the checkout they run in), each started at its first use (a few seconds of imports)
+    and left to die with the session (its stdin closes)."""
 
-    proc: subprocess.Popen | None = None
+    procs: dict[bool, subprocess.Popen] = {}
 
     @classmethod
     def launch(cls, cmd: WarmCmd, env: dict[str, str], cwd: Path, limit: float) -> dict:
-        if cls.proc is None or cls.proc.poll() is not None:
-            cls.proc = subprocess.Popen(
-                [PYTHON, str(REPO / "tests" / "warm_launcher.py")],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-                env=launch_env(),
-                start_new_session=True,
+        proc = cls.procs.get(cmd.fresh)
+        if proc is None or proc.poll() is not None:
+            argv = [PYTHON, str(REPO / "tests" / "warm_launcher.py"), *(["--fresh"] if cmd.fresh else [])]
+            proc = cls.procs[cmd.fresh] = subprocess.Popen(
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=launch_env(), start_new_session=True
             )
         request = {"script": cmd.script, "args": cmd.args, "nproc": cmd.nproc, "env": env, "cwd": str(cwd), "timeout": limit}
-        cls.proc.stdin.write(json.dumps(request) + "\n")
-        cls.proc.stdin.flush()
-        line = cls.proc.stdout.readline()
+        proc.stdin.write(json.dumps(request) + "\n")
+        proc.stdin.flush()
+        line = proc.stdout.readline()
         if not line:
             raise AssertionError("the warm launcher (tests/warm_launcher.py) died; run a test with train_cmd to see why")
         return json.loads(line)

@@ -17,7 +17,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 import hf_tiny
-from helpers import PYTHON, TINY, check, launch_env, run, snapshot, train_cmd
+from helpers import PYTHON, TINY, check, launch_env, run, snapshot, train_cmd, warm_cmd
 from parallel_train.checkpoint import checkpointer
 from parallel_train.data.prepare import Options, prepare
 from parallel_train.data.tokenizers import CharVocab
@@ -42,7 +42,7 @@ def env(tmp_path_factory):
     """A finished run, and the bad files the cases point at."""
     tmp = tmp_path_factory.mktemp("bad")
     run_dir = tmp / "run"
-    check(run(train_cmd(*BASE, f"output_dir={run_dir}"), env=launch_env(tmp)))
+    check(run(warm_cmd(1, *BASE, f"output_dir={run_dir}"), env=launch_env(tmp)))
     f = tmp / "files"
     f.mkdir()
     (f / "empty.txt").write_text("")

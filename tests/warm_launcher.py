@@ -1,7 +1,9 @@
 """A launcher for tests: train.py's ranks (or one run of a script) forked from one process that imported the
 template once.
 
-    python tests/warm_launcher.py        (started by tests/helpers.py; reads requests on stdin, one JSON per line)
+    python tests/warm_launcher.py           (started by tests/helpers.py; reads requests on stdin, one JSON per line)
+    python tests/warm_launcher.py --fresh   the same, but the template itself is imported by each child from the
+                                            checkout it runs in (the guide test's copy, changed as the guide goes)
 
 Why: a launch of a few tiny steps spends most of its seconds importing torch, accelerate and datasets, once per
 rank, and torchrun adds its own start. The equivalence tests launch dozens of runs whose point is the arithmetic
@@ -41,8 +43,13 @@ import torch.distributed.checkpoint  # noqa: E402,F401
 import torch.distributed.fsdp  # noqa: E402,F401
 import torch.distributed.pipelining  # noqa: E402,F401
 
-import parallel_train.trainer  # noqa: E402,F401
-from parallel_train import faults  # noqa: E402
+FRESH = "--fresh" in sys.argv
+if FRESH:  # the children import the template from their own checkout; the heavy libraries it uses are shared
+    sys.path.remove(str(REPO / "src"))
+    import matplotlib.pyplot  # noqa: E402,F401
+    import transformers  # noqa: E402,F401
+else:
+    import parallel_train.trainer  # noqa: E402,F401
 
 
 def free_port() -> int:
@@ -68,7 +75,10 @@ def rank_main(rank: int, request: dict, port: int, group: int, out: Path, err: P
         os.dup2(os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 1)
         os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
         tempfile.tempdir = None  # TMPDIR is the request's
-        faults.load()  # PARALLEL_TRAIN_FAULT is the request's
+        if not FRESH:
+            from parallel_train import faults
+
+            faults.load()  # PARALLEL_TRAIN_FAULT is the request's (imported before it was set)
         sys.argv = [request["script"], *request["args"]]
         runpy.run_path(request["script"], run_name="__main__")  # as `python SCRIPT ARGS`: exits through sys.exit
         code = 0
