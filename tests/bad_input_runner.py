@@ -81,7 +81,11 @@ def finish_case(pid: int, tmp: Path, deadline: float) -> dict | None:
             return None
         os.killpg(pid, signal.SIGKILL)
         done = os.waitpid(pid, 0)
-    return {"returncode": os.waitstatus_to_exitcode(done[1]), "stdout": (tmp / "stdout").read_text(), "stderr": (tmp / "stderr").read_text()}
+    return {
+        "returncode": os.waitstatus_to_exitcode(done[1]),
+        "stdout": (tmp / "stdout").read_text(),
+        "stderr": (tmp / "stderr").read_text(),
+    }
 
 
 def run_all(cases: list, watched: Path, slots: int = 1) -> dict:

@@ -399,14 +399,12 @@ def assert_same_as_mesh_reference(out, ref):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow
 def test_llama_fsdp2_on_2_ranks_shards_each_decoder_layer_and_equals_one_process(mesh_runs):
     out, log = mesh_runs("fsdp2")
     assert "device mesh (FSDP2" in log and (out / "hf" / "config.json").exists()
     assert_same_as_mesh_reference(out, mesh_runs("ref")[0])
 
 
-@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_llama_tensor_parallel_on_2_ranks_by_its_own_plan_equals_one_process(mesh_runs):
     out, log = mesh_runs("tp2")

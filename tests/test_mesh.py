@@ -206,9 +206,8 @@ def test_fsdp2_in_fp16_scales_the_loss_and_skips_an_overflow_on_every_rank(launc
     assert train_losses(out)[1] == pytest.approx(ref[1], rel=2e-3)  # fp16 compute, the same model and data
 
 
-@pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", ["hsdp", "interleavedzb", "dualpipev", "fsdp2_pp2", "fsdp_tp_yaml"])
+@pytest.mark.parametrize("name", ["hsdp", "interleavedzb", "dualpipev", "fsdp2_pp2", pytest.param("fsdp_tp_yaml", marks=pytest.mark.slow)])
 def test_more_meshes_equal_one_process(launched, name):
     out, log = launched(name)
     assert_same_training(out, launched("ref")[0])
@@ -232,7 +231,6 @@ def test_a_tp_x_pipeline_checkpoint_continues_as_one_process(launched, tmp_path)
     assert_same_training(out, ref, steps=range(4, 7))
 
 
-@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("nproc", "overrides", "message"),

@@ -286,7 +286,6 @@ def test_bad_pipeline_launch_is_one_line_exit_2(tmp_path):
     assert not (out / "config.yaml").exists()
 
 
-@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_world_size_not_divisible_by_stages(tmp_path):
     result = run(warm_cmd(2, *TINY, "parallel.pipeline_stages=3", f"output_dir={tmp_path / 'bad'}"), env=launch_env(tmp_path))
@@ -294,7 +293,6 @@ def test_world_size_not_divisible_by_stages(tmp_path):
     assert "error: parallel.pipeline_stages=3 does not divide the world size 2" in result.stderr
 
 
-@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_data_parallel_x_multi_process_pipeline(reference):
     """4 processes = 2 stages x 2 data-parallel replicas (mesh dp x pp), batch 4 each: the reference's 8 samples."""
@@ -311,7 +309,6 @@ def test_data_parallel_x_multi_process_pipeline(reference):
     assert_same_training(out, reference / "ref_sgd")
 
 
-@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_pipelines_train_in_bf16(reference):
     """bf16 autocast in both executors: close to the fp32 run (not equal: bf16 rounds)."""

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import REPO, TINY, check, launch_env, read_metrics, run, torchrun_cmd, train_losses, warm_cmd
+from helpers import PYTHON, REPO, TINY, check, launch_env, read_metrics, run, torchrun_cmd, train_losses, warm_cmd
 from parallel_train import faults
 from parallel_train.checkpoint import checkpointer
 from parallel_train.checkpoint.export import load_weights
@@ -143,7 +143,7 @@ def test_elastic_torchrun_restarts_and_matches_uninterrupted(ref2, tmp_path):
 def test_elastic_accelerate_max_restarts(ref2, tmp_path):
     marker = tmp_path / "fired"
     cmd = [
-        str(Path(warm_cmd(1)[0]).parent / "accelerate"),
+        str(Path(PYTHON).parent / "accelerate"),
         "launch",
         "--config_file",
         "accelerate_configs/multi_cpu.yaml",
@@ -206,7 +206,7 @@ def test_sigterm_to_torchrun_checkpoints_on_all_ranks(tmp_path):
     """A real preemption: SIGTERM to the launcher (as SLURM does) while training; torchrun forwards it to
     the workers, which may be at different steps: they agree on one, save there and exit."""
     out = tmp_path / "run"
-    cmd = warm_cmd(2, *BASE, "train.max_steps=5000", "eval.interval=0", "checkpoint.interval=0", f"output_dir={out}")
+    cmd = torchrun_cmd(2, *BASE, "train.max_steps=5000", "eval.interval=0", "checkpoint.interval=0", f"output_dir={out}")
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=fault_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
@@ -302,7 +302,6 @@ def test_non_finite_loss_stops_naming_the_step_and_writes_no_checkpoint(tmp_path
     assert not checkpointer.list_checkpoints(out / "checkpoints") and not (out / "model.safetensors").exists()
 
 
-@pytest.mark.slow
 def test_between_agreements_a_signal_and_a_non_finite_step_are_still_caught(tmp_path):
     """No log or checkpoint step forces an agreement here, so ranks compare notes every guards.AGREE_EVERY (16)
     steps: a signal on one rank stops both at step 16, and a NaN at step 2 is still named as step 2."""

@@ -314,7 +314,8 @@ def test_a_user_error_on_one_rank_is_printed_by_that_rank(tmp_path):
 
 @pytest.mark.slow  # the same path, before the process group exists (the launcher's store): a misconfigured second node
 def test_a_user_error_on_one_rank_before_the_process_group_is_printed_by_that_rank(tmp_path):
-    result = run(warm_cmd(2, *TINY, f"output_dir={tmp_path / 'run'}"), env=launch_env(tmp_path, **{faults.ENV: "user_error@0:rank=1"}))
+    # torchrun: the point is its agent's store, which exists before the process group (the warm launcher has none)
+    result = run(torchrun_cmd(2, *TINY, f"output_dir={tmp_path / 'run'}"), env=launch_env(tmp_path, **{faults.ENV: "user_error@0:rank=1"}))
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: rank 1 (host "), result.output[-3000:]
 

@@ -208,7 +208,6 @@ MORE = {  # name -> (processes, overrides); each equals the unsplit run
 }
 
 
-@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", sorted(MORE))
 def test_tied_model_on_more_layouts(runs, name):

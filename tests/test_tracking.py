@@ -139,7 +139,6 @@ def test_tensorboard_holds_the_same_metrics_as_metrics_jsonl(tmp_path):
     assert hparams["model.n_layer"] == 2 and hparams["output_dir"] == str(out)
 
 
-@pytest.mark.slow
 def test_tracker_none_writes_nothing_extra(tmp_path):
     out = tmp_path / "run"
     result = check(run(warm_cmd(1, *FEW, "tracker=none", f"output_dir={out}"), env=launch_env(tmp_path)))

@@ -23,6 +23,7 @@ ranks share their batch).
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import resource
@@ -40,6 +41,7 @@ from parallel_train.data.batch_sampler import GlobalBatchSampler  # noqa: E402
 from parallel_train.models.gpt import GPT  # noqa: E402
 from parallel_train.observe.perf import keep_freed_host_memory  # noqa: E402
 from parallel_train.optim import build_optimizer, lr_at  # noqa: E402
+from parallel_train.parallel.model_init import start_model  # noqa: E402
 
 
 def main(argv: list[str]) -> None:
@@ -65,8 +67,11 @@ def main(argv: list[str]) -> None:
     dp, dp_rank = (1, 0) if mode == "tp" else (world, rank)
     sampler = GlobalBatchSampler(len(train_ids) - m.block_size, t.batch_size, dp, dp_rank, t.seed)
 
-    torch.manual_seed(t.seed)
-    model = GPT(m, max(len(chars), m.vocab_size))
+    # The template's first weights: each module drawn under a seed keyed by its name (parallel/model_init.py), so
+    # both loops start equal; then the dropout stream train.py seeds per rank.
+    model, init = start_model(GPT, m, max(len(chars), m.vocab_size), t.seed)
+    init.fill(model, torch.device("cpu"))
+    torch.manual_seed(t.seed + 1 + rank)
     if world > 1 and mode != "ddp":
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -116,6 +121,8 @@ def main(argv: list[str]) -> None:
     if rank == 0:
         print(json.dumps({"tokens_per_sec": tok_s, "step_time_s": elapsed / steady_steps, "losses": losses, "peak_rss_mb": rss}))
     if world > 1:
+        del model, ddp, optimizer  # sharded state freed before its process group (see scripts/bench/checkpoint.py)
+        gc.collect()
         torch.distributed.destroy_process_group()
 
 

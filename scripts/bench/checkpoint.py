@@ -174,6 +174,10 @@ def worker(args: argparse.Namespace) -> None:
             "ranks": parts,
         }
         Path(args.json).write_text(json.dumps(result))
+    # Free the sharded model before the process group goes: left to interpreter shutdown, FSDP2's state on gloo
+    # aborts the process now and then ("terminate called without an active exception", tests/fsdp_worker.py).
+    del model, optimizer, saver
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -133,6 +133,17 @@ def failed_alike(store, message: str, world: int, wait_s: float = ERROR_WAIT_S) 
         time.sleep(0.05)
     mine = b"all" if store.add(key, 0) >= world else b"some"
     verdict = store.compare_set(key + "/verdict", "", mine)
+    if verdict == b"all":
+        # Every rank is here: wait until each has read the verdict before any leaves, since the store may live in
+        # one of us (torch.distributed's default store is served by rank 0) and die with it.
+        # A rank that sees the store go has its verdict already: the host left once every rank had read it.
+        try:
+            store.add(key + "/read", 1)
+            deadline = time.monotonic() + wait_s
+            while store.add(key + "/read", 0) < world and time.monotonic() < deadline:
+                time.sleep(0.05)
+        except Exception:  # noqa: BLE001 (the store's host has left: nothing more to wait for)
+            pass
     return verdict == b"all", arrived == 1
 
 
