@@ -45,7 +45,7 @@ def main() -> int:
     device = torch.device("cuda" if cuda else "cpu")
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model, data.vocab_size).to(device).train()
-    optimizer = build_optimizer(model, cfg.train, fused=cuda)
+    optimizer = build_optimizer(model, cfg.train)
     x, y = (torch.stack([t] * cfg.train.batch_size).to(device) for t in (x0, y0))
     precision = cfg.train.mixed_precision if cfg.train.mixed_precision != "auto" else "no"
     amp = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()

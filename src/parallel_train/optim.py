@@ -9,8 +9,10 @@ from torch import nn
 
 from parallel_train.config.sections import TrainConfig
 
+FUSED_DEVICES = ("cpu", "cuda")  # where torch.optim.AdamW(fused=True) has a kernel (and this template runs)
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig, fused: bool = False) -> torch.optim.Optimizer:
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig, fused: bool | None = None) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only (embeddings, Linear weights); biases and norms undecayed."""
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.optimizer == "sgd":
@@ -18,7 +20,12 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, fused: bool = False) -> 
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # fused=True runs one kernel for all parameters on GPU; it is not available for CPU tensors.
+    # fused: one kernel over every parameter, on the GPU and on the CPU alike. Against the default (foreach) it needs no
+    # temporaries the size of the parameters (foreach's peak at the step grows by about 40% of the parameters' bytes:
+    # the excess of an FSDP2 rank's first step in docs/BENCHMARKS.md "Start memory") and steps several times faster
+    # on the CPU. None: wherever torch has the kernel for every parameter's device.
+    if fused is None:
+        fused = all(p.device.type in FUSED_DEVICES for p in params)
     return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=fused or None)
 
 

@@ -145,9 +145,8 @@ class Trainer:
                 f"notice: model.name={cfg.model.name} has no init_weights(name, module), so every rank builds the whole model "
                 "before it is sharded; add one for a meta-device start (models/gpt.py, src/parallel_train/parallel/model_init.py)"
             )
-        fused = self.device.type == "cuda"
         probe = lambda: [t[: cfg.train.batch_size] for t in next(iter(val_loader(self.data, cfg, 1)))]  # noqa: E731 (parallel.split=time)
-        make_optimizer = lambda m: build_optimizer(m, cfg.train, fused)  # noqa: E731 (over the parameters this rank holds)
+        make_optimizer = lambda m: build_optimizer(m, cfg.train)  # noqa: E731 (over the parameters this rank holds)
         self.engine = build_engine(cfg, self.accelerator, model, init, make_optimizer, self.precision, probe)
         self.start_memory = peak_memory_mb(self.device)  # the model in place, cut and filled: what the start cost
         self.optimizer = torch_optimizer(self.engine.optimizer)
