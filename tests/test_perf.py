@@ -21,7 +21,7 @@ from parallel_train.data.text import build_datasets
 from parallel_train.data.tokenizers import ByteVocab, CharVocab, load_vocab
 from parallel_train.errors import UserError
 from parallel_train.models.gpt import GPT
-from parallel_train.observe.perf import mfu, peak_flops, process_age_s
+from parallel_train.observe.perf import keep_freed_host_memory, mfu, peak_flops, process_age_s
 
 IMPORTED = time.monotonic()  # this process has lived at least this long when a test runs
 
@@ -104,6 +104,19 @@ def test_activation_checkpointing_gives_identical_loss_and_gradients():
     assert losses[0] == losses[1]
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_the_host_allocator_setting_leaves_the_users_own_alone(monkeypatch):
+    """observe/perf.py fixes glibc's thresholds unless the user set them (docs/BENCHMARKS.md "Start memory" measures
+    live memory that way): a setting of theirs is never silently overridden."""
+    for key in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES"):
+        monkeypatch.delenv(key, raising=False)
+    assert keep_freed_host_memory()  # glibc on Linux, as CI and this machine run
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
+    assert not keep_freed_host_memory()
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=131072")
+    assert not keep_freed_host_memory()
 
 
 def test_peak_flops_and_mfu(monkeypatch):

@@ -30,8 +30,9 @@ def configure_backends(cfg: TrainConfig, device: torch.device) -> None:
         torch.backends.cudnn.conv.fp32_precision = precision
 
 
-# glibc's mallopt parameters (malloc.h)
+# glibc's mallopt parameters (malloc.h), and the variables by which a user sets them (then left alone)
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+USER_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
 
 def keep_freed_host_memory() -> bool:
@@ -41,10 +42,14 @@ def keep_freed_host_memory() -> bool:
     the heap once a little of its top is free and serves large blocks with fresh mmaps, so every step
     page-faults that memory in again: about 1,000 faults and 1.5-3 ms of kernel time per step on the CPU
     baseline (5-10% of the step; see docs/BENCHMARKS.md). Fixed thresholds (blocks up to 32 MiB from the
-    heap, trim only past 1 GiB free) remove that; the cost is that resident memory stays near its peak.
-    Returns False where the C library is not glibc (nothing changed).
+    heap, trim only past 1 GiB free) remove that; the cost is that resident memory stays near its peak (for a
+    large model on CPU processes, hundreds of MB above what is live: docs/BENCHMARKS.md "Start memory").
+    Returns False where the C library is not glibc, or where the user set glibc's own thresholds
+    (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, GLIBC_TUNABLES=glibc.malloc...): theirs stand.
     """
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    if any(k in os.environ for k in USER_MALLOC_ENV) or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
         return False
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
