@@ -2,8 +2,9 @@
 
 The processes form the device mesh of parallel/mesh.py, dp_replicate x dp_shard x pp x tp: with tp = 1, global rank
 r = dp_rank * S + pp_rank, so the stages of one replica are neighbouring ranks (one node when they fit).
-Every rank builds the whole model with the same seed and keeps its stages' parts (the others set to None, so
-parameter names stay canonical); placement.py says which stages (one per rank; looped for the interleaved
+Every rank builds the whole model on the meta device (shapes only), keeps its stages' parts (the others set to
+None, so parameter names stay canonical) and gives memory and first values to those alone (parallel/model_init.py:
+the same values whatever holds them); placement.py says which stages (one per rank; looped for the interleaved
 schedules; V-shaped for zbv and dualpipev). With parallel.tp or parallel.dp_shard each stage is then cut like
 a whole model in the mesh engine (parallel/sharding.py: the model's tensor-parallel plan, fully_shard per block):
 pipelines compose with FSDP2, HSDP and tensor parallelism.
