@@ -42,12 +42,12 @@ import datasets  # noqa: E402,F401
 import torch.distributed.checkpoint  # noqa: E402,F401
 import torch.distributed.fsdp  # noqa: E402,F401
 import torch.distributed.pipelining  # noqa: E402,F401
+import transformers  # noqa: E402,F401  (model.name=hf and the fine-tuning runs: seconds per launch otherwise)
 
 FRESH = "--fresh" in sys.argv
 if FRESH:  # the children import the template from their own checkout; the heavy libraries it uses are shared
     sys.path.remove(str(REPO / "src"))
     import matplotlib.pyplot  # noqa: E402,F401
-    import transformers  # noqa: E402,F401
 else:
     import parallel_train.trainer  # noqa: E402,F401
 
