@@ -135,8 +135,8 @@ def failed_alike(store, message: str, world: int, wait_s: float = ERROR_WAIT_S) 
     verdict = store.compare_set(key + "/verdict", "", mine)
     if verdict == b"all":
         # Every rank is here: wait until each has read the verdict before any leaves, since the store may live in
-        # one of us (torch.distributed's default store is served by rank 0) and die with it.
-        # A rank that sees the store go has its verdict already: the host left once every rank had read it.
+        # one of us (torch.distributed's default store is served by rank 0) and die with it. A rank that sees the
+        # store go already has its verdict: its host left only once every rank had read it.
         try:
             store.add(key + "/read", 1)
             deadline = time.monotonic() + wait_s

@@ -21,9 +21,9 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, fused: bool | None = Non
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # fused: one kernel over every parameter, on the GPU and on the CPU alike. Against the default (foreach) it needs no
-    # temporaries the size of the parameters (foreach's peak at the step grows by about 40% of the parameters' bytes:
-    # the excess of an FSDP2 rank's first step in docs/BENCHMARKS.md "Start memory") and steps several times faster
-    # on the CPU. None: wherever torch has the kernel for every parameter's device.
+    # temporaries the size of the parameters (foreach's step peaks about 40% of the parameters' bytes higher) and
+    # steps several times faster on the CPU (docs/BENCHMARKS.md, "Speed features"). None: wherever torch has the
+    # kernel for every parameter's device.
     if fused is None:
         fused = all(p.device.type in FUSED_DEVICES for p in params)
     return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=fused or None)
