@@ -88,12 +88,14 @@ def launch(kind: str, m: int, steps: int, schedule: str, tmp: Path) -> dict:
     }
 
 
-def table(cells: dict[tuple[str, int], list[dict]], microbatches: list[int], schedule: str, steps: int, repeats: int) -> str:
-    def med(key, what="tok_s"):
-        values = [r[what] for r in cells[key] if r[what] is not None]
-        return statistics.median(values) if values else None
+def median_of(cells: dict, key, what: str = "tok_s") -> float | None:
+    """The median of one measured figure over a cell's repeats (None when none measured it)."""
+    values = [r[what] for r in cells[key] if r[what] is not None]
+    return statistics.median(values) if values else None
 
-    single = med(("single", 0))
+
+def table(cells: dict[tuple[str, int], list[dict]], microbatches: list[int], schedule: str, steps: int, repeats: int) -> str:
+    single = median_of(cells, ("single", 0))
     lines = [
         f"2 CPU processes x 1 thread (schedule {schedule}; gpipe for M=1, where they are the same) against 1 process x 1 thread; baby GPT (4 layers, 128 wide, "
         f"block 64), batch 32, {steps} steps, median of {repeats}. Command: `python scripts/bench/pipeline.py`.",
@@ -102,27 +104,23 @@ def table(cells: dict[tuple[str, int], list[dict]], microbatches: list[int], sch
         "|---|---|---|---|---|---|---|---|",
     ]
     for m in microbatches:
-        pipe, bubble = med(("pipeline", m)), med(("pipeline", m), "bubble")
+        pipe, bubble = median_of(cells, ("pipeline", m)), median_of(cells, ("pipeline", m), "bubble")
         load = statistics.mean(r["load"] for k in (("single", 0), ("pipeline", m)) for r in cells[k])
         lines.append(
             f"| {m} | {single:,.0f} | {pipe:,.0f} | {pipe / single:.2f}x | {2 * m / (m + 1):.2f}x | "
             f"{bubble:.0%} | {1 / (m + 1):.0%} | {load:.1f} |"
         )
     if ("inprocess", 4) in cells:
-        inproc = med(("inprocess", 4))
+        inproc = median_of(cells, ("inprocess", 4))
         lines.append(
             f"| 4, one process on [cpu,cpu] (executor 1) | {single:,.0f} | {inproc:,.0f} | {inproc / single:.2f}x | 1.00x "
-            f"(one thread: no overlap) | {med(('inprocess', 4), 'bubble'):.0%} | 20% | - |"
+            f"(one thread: no overlap) | {median_of(cells, ('inprocess', 4), 'bubble'):.0%} | 20% | - |"
         )
     return "\n".join(lines)
 
 
 def schedule_table(cells: dict, schedules: list[str], m: int, steps: int, repeats: int) -> str:
-    def med(key, what="tok_s"):
-        values = [r[what] for r in cells[key] if r[what] is not None]
-        return statistics.median(values) if values else None
-
-    single = med(("single", 0))
+    single = median_of(cells, ("single", 0))
     lines = [
         f"2 CPU processes x 1 thread, M={m} micro-batches, each schedule against 1 process x 1 thread; baby GPT (4 layers, "
         f"128 wide, block 64), batch 32, {steps} steps, median of {repeats}. interleaved1f1b, interleavedzb, zbv and dualpipev "
@@ -134,7 +132,7 @@ def schedule_table(cells: dict, schedules: list[str], m: int, steps: int, repeat
     ]
     for name in schedules:
         key = (f"schedule:{name}", m)
-        tok, bubble, ideal = med(key), med(key, "bubble"), med(key, "ideal")
+        tok, bubble, ideal = median_of(cells, key), median_of(cells, key, "bubble"), median_of(cells, key, "ideal")
         load = statistics.mean(r["load"] for r in cells[key])
         lines.append(f"| {name} | {tok:,.0f} | {tok / single:.2f}x | {bubble:.0%} | {ideal:.0%} | {load:.1f} |")
     lines.append(f"| (1 process, no pipeline) | {single:,.0f} | 1.00x | - | - | - |")
