@@ -115,6 +115,22 @@ def test_kill_during_a_background_write_leaves_the_previous_checkpoint(ref1, tmp
     assert summary(out)["checkpoint_blocking_s"] > 0 and not list(root.glob(".tmp-*"))
 
 
+def test_a_kill_right_before_the_manifest_leaves_the_old_set_of_checkpoints(ref1, tmp_path):
+    """SIGKILL in rank 0's seal of checkpoint 6, right before its manifest is written: the folder is renamed to step_*
+    only after the manifest, so checkpoints/ lists exactly the old set (step 3), each verifies, and resume=auto
+    continues from step 3 to the weights of the run never killed. (Renamed first, a step_6 without manifest is listed.)"""
+    out = tmp_path / "run"
+    killed = run(warm_cmd(1, *BASE, f"output_dir={out}"), env=launch_env(tmp_path, **{faults.ENV: "kill_in_seal@6"}))
+    assert killed.returncode == -signal.SIGKILL and "SIGKILL before the manifest of checkpoint 6" in killed.output, killed.output[-2000:]
+    root = out / "checkpoints"
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_0000003"]
+    assert all(checkpointer.verify(p) is None for p in checkpointer.list_checkpoints(root))
+    assert not (root / ".tmp-step_0000006" / MANIFEST).exists()  # killed where it was meant to be
+    resumed = check(run(warm_cmd(1, *BASE, f"output_dir={out}"), env=launch_env(tmp_path)))
+    assert f"resumed from {root / 'step_0000003'} at step 3" in resumed.output and "warning: skipping" not in resumed.output
+    assert same_bytes(out, ref1) and not list(root.glob(".tmp-*"))
+
+
 # ---------------------------------------------------------------- checkpoints of earlier versions
 
 

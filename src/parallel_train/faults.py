@@ -9,6 +9,8 @@ separated by `;`.
     kill@4:rank=1:once=/tmp/m   only if /tmp/m does not exist yet (it is created): fires once across restarts
     kill_in_save@6       SIGKILL in the middle of writing checkpoint 6 (every rank's tensors written, no manifest yet);
                          with checkpoint.async=true this happens in the background thread, while training goes on
+    kill_in_seal@6       SIGKILL rank 0 right before it writes checkpoint 6's manifest (every file hashed): the rename
+                         to step_* comes after the manifest, so the old set of checkpoints must still stand
     hang@3               stop answering after step 3 (the others must time out, not hang)
     sigterm@3, sigusr1@3, sigint@3   send this process a real signal after step 3
     nan@3                make the loss of step 3 NaN (through the model output)
@@ -38,6 +40,7 @@ SIGNALS = {"sigterm": signal.SIGTERM, "sigusr1": signal.SIGUSR1, "sigint": signa
 KINDS = (
     "kill",
     "kill_in_save",
+    "kill_in_seal",
     "kill_in_prepare",
     "hang",
     "nan",
@@ -132,6 +135,14 @@ def in_save(step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def in_seal(folder: str) -> None:
+    """Called by checkpoint/manifest.py right before the manifest of `folder` (`.../.tmp-step_0000006`) is written."""
+    step = _step_in(folder) if FAULTS else None
+    if step is not None and _fire("kill_in_seal", step):
+        print(f"[fault] SIGKILL before the manifest of checkpoint {step} is written ({folder})", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def user_error(step: int) -> None:
     """`user_error@K`: after step K (the trainer), or with K = 0 at the start (cli.py, before the process group)."""
     if FAULTS and _fire("user_error", step):
@@ -142,10 +153,16 @@ def user_error(step: int) -> None:
 
 def in_shard_write(path: str) -> None:
     """Called by checkpoint/storage.py before this rank writes a tensor file (`.../.tmp-step_0000006/shards/...`)."""
-    found = re.findall(r"step_(\d+)", path) if FAULTS else None  # the last one: output_dir may hold "step_" too
-    if found and _fire("enospc", int(found[-1])):
+    step = _step_in(path) if FAULTS else None
+    if step is not None and _fire("enospc", step):
         print(f"[fault] ENOSPC writing {path} on rank {os.environ.get('RANK', '0')}", flush=True)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+
+def _step_in(path: str) -> int | None:
+    """The checkpoint step a path inside a checkpoint folder names: the last `step_N` (output_dir may hold one too)."""
+    found = re.findall(r"step_(\d+)", path)
+    return int(found[-1]) if found else None
 
 
 def hidden(step: int, listing: bool) -> bool:

@@ -58,6 +58,7 @@ def write_manifest(folder: Path, records: dict[str, dict[str, Any]] | None = Non
     """The main process, once every rank's files are on disk: `records` from the ranks that wrote them; any other
     file (the JSON the main process wrote) is hashed here. Then the manifest, flushed with the folders."""
     files = {name: (records or {}).get(name) or record(folder, name, 0) for name in files_of(folder)}
+    faults.in_seal(str(folder))  # test-only: a kill here must leave the old set of checkpoints (the rename comes after)
     (folder / MANIFEST).write_text(json.dumps({"format": FORMAT, "files": files}, indent=1))
     fsync(folder / MANIFEST)
     for sub in {(folder / n).parent for n in files}:
