@@ -97,6 +97,32 @@ def test_resume_from_an_older_checkpoint_with_keep_1_keeps_what_this_run_writes(
     assert all((load_file(str(out / "model.safetensors"))[k] == v).all() for k, v in load_weights(root / "step_0000004").items())
 
 
+def test_one_flipped_byte_of_the_same_size_is_caught_by_its_sha256(finished, tmp_path, capsys):
+    """One byte of the newest checkpoint's weights flipped in place: same size, the safetensors header intact, so only
+    the sha256 can tell (the truncated and planted files of other tests stop at the size or the parse first).
+    resume=PATH to it stops in one line, exit 2, nothing changed; resume=auto skips it with a warning naming the
+    mismatch and continues from step 3."""
+    out = copy_of(finished, tmp_path)
+    step6 = out / "checkpoints" / "step_0000006"
+    shard = step6 / "shards" / "rank00000-000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x40  # the last byte of the last tensor's data (the header is at the start)
+    shard.write_bytes(data)
+    mismatch = "shards/rank00000-000.safetensors does not match its sha256 in the manifest"
+    before = snapshot(out)
+    named = run(warm_cmd(1, *TINY, f"resume={step6}", f"output_dir={out}"), env=launch_env(tmp_path))
+    assert named.returncode == 2 and "Traceback" not in named.output, named.output[-2000:]
+    assert [line for line in named.stderr.splitlines() if line.startswith("error:")] == [
+        f"error: resume: {str(step6)!r} is not a valid checkpoint ({mismatch})"
+    ]
+    assert snapshot(out) == before
+    outcome, printed = train_here(capsys, f"output_dir={out}")
+    warnings = [line for line in printed.splitlines() if line.startswith("warning:")]
+    assert outcome == "ok" and warnings == [f"warning: skipping checkpoint {step6}: {mismatch}"], printed[-2000:]
+    assert f"resumed from {out / 'checkpoints' / 'step_0000003'} at step 3" in printed
+    assert verify(step6) is None  # written again by the resumed run
+
+
 # ---------------------------------------------------------------- torn files
 
 
