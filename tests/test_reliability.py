@@ -302,6 +302,23 @@ def test_non_finite_loss_stops_naming_the_step_and_writes_no_checkpoint(tmp_path
     assert not checkpointer.list_checkpoints(out / "checkpoints") and not (out / "model.safetensors").exists()
 
 
+def test_a_nan_loss_without_gradient_clipping_stops_at_its_own_step(tmp_path):
+    """train.grad_clip=0 and train.max_skipped_steps=0: no gradient norm is computed, so the loss check alone must
+    catch the NaN (not only inf). The run stops at step 2 naming step 2, not at the step-3 checkpoint (which would
+    refuse the NaN weights naming step 3). With max_skipped_steps=1 step 2 is skipped and the weights stay finite."""
+    out = tmp_path / "stop"
+    result = run(warm_cmd(1, *BASE, "train.grad_clip=0", f"output_dir={out}"), env=fault_env(tmp_path, "nan@2"))
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(errors) == 1 and "Traceback" not in result.output, result.output[-3000:]
+    assert "non-finite loss or gradients at step 2 (all ranks stopped at step 2;" in errors[0], errors[0]
+    assert train_steps(out) == [1] and not checkpointer.list_checkpoints(out / "checkpoints")
+    out = tmp_path / "skip"
+    skip = ("train.grad_clip=0", "train.max_skipped_steps=1", f"output_dir={out}")
+    result = check(run(warm_cmd(1, *BASE, *skip), env=fault_env(tmp_path, "nan@2")))
+    assert "non-finite loss or gradients at step 2: update skipped (1 of at most 1)" in result.output
+    assert all(torch.isfinite(t).all() for t in load_file(str(out / "model.safetensors")).values())
+
+
 def test_between_agreements_a_signal_and_a_non_finite_step_are_still_caught(tmp_path):
     """No log or checkpoint step forces an agreement here, so ranks compare notes every guards.AGREE_EVERY (16)
     steps: a signal on one rank stops both at step 16, and a NaN at step 2 is still named as step 2."""
