@@ -188,7 +188,7 @@ def test_sharding_engines_get_the_decoder_layers_and_the_tp_plan(folders):
 
 
 def test_activation_checkpointing_recomputes_each_layer_in_backward(folders):
-    model = adapter(folders["llama"], activation_checkpointing=True)
+    model = adapter(folders["llama"], activation_checkpointing="full")
     calls = []
     model.model.layers[0].mlp.gate_proj.register_forward_hook(lambda *args: calls.append(1))
     plain = adapter(folders["llama"])
