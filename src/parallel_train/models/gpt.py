@@ -138,6 +138,11 @@ class GPT(nn.Module):
         elif isinstance(module, nn.LayerNorm):
             module.reset_parameters()
 
+    def get_output_embeddings(self) -> nn.Module | None:
+        """The layer that makes the logits (transformers' name for it): tensor parallelism keeps its output cut by
+        vocabulary for the loss (loss parallel, parallel/sharding.py)."""
+        return self.head
+
     def tensor_parallel_plan(self, tp: int) -> dict:
         """How `parallel.tp` ranks cut this model: {module name: torch ParallelStyle}, for `parallelize_module`.
 
@@ -145,7 +150,8 @@ class GPT(nn.Module):
         hidden units), the attention and MLP output projections by rows (one all-reduce each, done as a
         reduce-scatter: sequence parallel); between them the residual stream, the LayerNorms and dropout work on
         1/tp of the sequence each. The embeddings are cut by rows of the vocabulary / positions, the output layer
-        by columns (the vocabulary), and the logits gathered whole, so the loss is the unsplit model's.
+        by columns (the vocabulary), the logits gathered whole; the mesh engine keeps them cut by vocabulary instead and
+        computes the loss on the shards (loss parallel, parallel/sharding.py).
         Parts a pipeline stage does not hold are skipped by the caller.
         """
         from torch.distributed.tensor import Replicate, Shard

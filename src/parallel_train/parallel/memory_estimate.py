@@ -123,6 +123,17 @@ def _held(cfg: Config, layout: MeshLayout, vocab_size: int, mesh) -> list[tuple[
     return out
 
 
+def _loss_context(model: nn.Module):
+    """torch's loss_parallel where the run has it (its logits cut by vocabulary: sharding.logits_by_vocabulary)."""
+    layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(layer, "weight", None)
+    if weight is None or not hasattr(weight, "placements") or not any(p.is_shard(0) for p in weight.placements):
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
 def saved_bytes_per_part(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast_dtype
 ) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
@@ -151,7 +162,7 @@ def saved_bytes_per_part(
     handles = [module.register_forward_pre_hook(enter(name)) for name, module in units.items()]
     amp = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp, _loss_context(model):
             out = model(x)
             current[0] = "loss"
             loss_fn(out, y)
@@ -180,7 +191,9 @@ def _activations(
     if can_checkpoint:
         model.activation_checkpointing = Checkpointing()  # measured without; full checkpointing is derived from the parts
     if layout.sharded:
-        parallelize(model, mesh, MeshLayout(dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp))
+        # The mesh engine's cut, loss parallel included (a pipeline keeps its logits whole: parallel/sharding.py)
+        cut = MeshLayout(dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp)
+        parallelize(model, mesh, cut, loss_parallel=layout.tp > 1 and layout.pp == 1)
     precision = cfg.train.mixed_precision
     dtype = torch.bfloat16 if precision in ("bf16", "fp16") else None
     with FakeTensorMode(allow_non_fake_inputs=True):
