@@ -78,7 +78,7 @@ def report(cfg, layout, ranks, capacity_gib: float, device: str, total_params: i
         f"{device} ({capacity_gib:g} GiB, {usable / 2**30:.1f} usable at {USABLE:.0%}): {verdict} "
         f"(largest rank {size(worst)} {unit})"
         + (
-            f"; with model.activation_checkpointing=true: {'fits' if worst_ckpt <= usable else 'does NOT fit'} ({size(worst_ckpt)} {unit})"
+            f"; with model.activation_checkpointing=full: {'fits' if worst_ckpt <= usable else 'does NOT fit'} ({size(worst_ckpt)} {unit})"
             if any(r.activations_ckpt is not None for r in ranks)
             else ""
         ),

@@ -112,7 +112,31 @@ def check_tensor_parallel(folder: str, rank: int, world: int) -> None:
         step(cut, opt, batch[:, :-1], batch[:, 1:])
     for (name, p), ref in zip(cut.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(to_full(p), ref, rtol=1e-4, atol=1e-5, msg=name)
+    check_loss_parallel(reference, plan, mesh, world)
     print(f"hf tp {reference.config.model_type} rank {rank}/{world} ok", flush=True)
+
+
+def check_loss_parallel(reference: HFCausalLM, plan: dict, mesh, world: int) -> None:
+    """Loss parallel (parallel/sharding.py): the logits stay a DTensor cut by vocabulary, no rank holds them whole, and
+    cross-entropy on the shards (torch's loss_parallel) equals the unsplit model's, gradients too."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from parallel_train.losses import loss_sum
+    from parallel_train.parallel.sharding import logits_by_vocabulary
+
+    cut = copy.deepcopy(reference)
+    parallelize_module(cut, mesh, logits_by_vocabulary(cut, plan))
+    batch = torch.randint(0, VOCAB, (B, T + 1), generator=torch.Generator().manual_seed(2))
+    with loss_parallel():
+        logits = cut(batch[:, :-1])
+        assert is_sharded(logits) and logits.placements[0].is_shard(2) and logits.to_local().shape[-1] == logits.shape[-1] // world
+        loss = loss_sum(logits, batch[:, 1:])
+        loss.backward()
+    want = loss_sum(reference(batch[:, :-1]), batch[:, 1:])
+    want.backward()
+    torch.testing.assert_close(loss.full_tensor(), want, rtol=1e-5, atol=1e-5)
+    grad = cut.model.layers[0].self_attn.q_proj.weight.grad
+    torch.testing.assert_close(to_full(grad), reference.model.layers[0].self_attn.q_proj.weight.grad, rtol=1e-4, atol=1e-5)
 
 
 def main() -> None:

@@ -174,10 +174,16 @@ def test_sharding_engines_get_the_decoder_layers_and_the_tp_plan(folders):
     assert [type(m).__name__ for m in llama.decoder_layers()] == ["LlamaDecoderLayer"] * 2
     assert fsdp_units(llama) == llama.decoder_layers()  # what the mesh engine's fully_shard wraps, before the root
     plan = llama.tensor_parallel_plan(2)
-    assert len(plan) == 2 + 2 * 7 and isinstance(plan["model.layers.1.self_attn.k_proj"], ColwiseParallel)
+    # transformers' 2 + 7 per layer, and sequence parallel: the final norm, and per layer its two norms and the inputs of
+    # attention and MLP (gathered from sequence shards); the row-wise outputs reduce-scatter into sequence shards
+    assert len(plan) == 3 + 2 * 11 and isinstance(plan["model.layers.1.self_attn.k_proj"], ColwiseParallel)
     assert isinstance(plan["model.layers.0.mlp.down_proj"], RowwiseParallel) and isinstance(plan["model.embed_tokens"], RowwiseParallel)
+    assert type(plan["model.norm"]).__name__ == type(plan["model.layers.1.post_attention_layernorm"]).__name__ == "SequenceParallel"
+    assert plan["model.layers.0.mlp.down_proj"].output_layouts[0].is_shard(1) and plan["lm_head"].input_layouts[0].is_shard(1)
     stage = stage_module(llama, plan_stages(llama, 2)[1])
-    assert sorted({name.split(".")[2] for name in stage.tensor_parallel_plan(2) if name.startswith("model.layers.")}) == ["1"]
+    stage_plan = stage.tensor_parallel_plan(2)  # a pipeline stage: tensor parallel without sequence parallel
+    assert sorted({name.split(".")[2] for name in stage_plan if name.startswith("model.layers.")}) == ["1"]
+    assert len(stage_plan) == 1 + 7 and "model.norm" not in stage_plan
     with pytest.raises(UserError, match="parallel.tp=3 does not divide the 4 attention heads and 2 key/value heads"):
         llama.tensor_parallel_plan(3)
     with pytest.raises(UserError, match="ties lm_head to its input embedding.*set model.untie_embeddings=true"):
@@ -188,7 +194,7 @@ def test_sharding_engines_get_the_decoder_layers_and_the_tp_plan(folders):
 
 
 def test_activation_checkpointing_recomputes_each_layer_in_backward(folders):
-    model = adapter(folders["llama"], activation_checkpointing=True)
+    model = adapter(folders["llama"], activation_checkpointing="full")
     calls = []
     model.model.layers[0].mlp.gate_proj.register_forward_hook(lambda *args: calls.append(1))
     plain = adapter(folders["llama"])
@@ -408,7 +414,7 @@ def test_llama_fsdp2_on_2_ranks_shards_each_decoder_layer_and_equals_one_process
 @pytest.mark.multiprocess
 def test_llama_tensor_parallel_on_2_ranks_by_its_own_plan_equals_one_process(mesh_runs):
     out, log = mesh_runs("tp2")
-    assert "device mesh (tensor parallel" in log
+    assert "device mesh (tensor parallel" in log and "sequence parallel and loss parallel" in log
     assert_same_as_mesh_reference(out, mesh_runs("ref")[0])
 
 

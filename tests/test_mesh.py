@@ -106,6 +106,7 @@ def total_params() -> int:
 def test_tensor_parallel_on_2_ranks_equals_one_process(launched):
     out, log = launched("tp2")
     assert "engine: device mesh (tensor parallel, plain torch): mesh tp 2; rank 0 holds" in log
+    assert "; sequence parallel and loss parallel" in log  # the norms on sequence shards, the loss on vocabulary shards
     assert_same_training(out, launched("ref")[0])
     s = summary(out)
     assert s["mesh"] == {"dp_replicate": 1, "dp_shard": 1, "pp": 1, "tp": 2}

@@ -38,10 +38,10 @@ def test_speed_config_keys_parse_and_validate():
             "train.mixed_precision=no",
         ]
     )
-    assert cfg.train.compile and cfg.model.activation_checkpointing and not cfg.train.tf32
+    assert cfg.train.compile and cfg.model.activation_checkpointing == "full" and not cfg.train.tf32
     assert (cfg.train.peak_tflops, cfg.data.tokenizer, cfg.data.path) == (312.0, "byte", "synthetic")
     assert cfg.train.mixed_precision == "no"  # YAML reads a bare `no` as False; the str field keeps "no"
-    assert not Config().train.compile and not Config().model.activation_checkpointing  # off by default
+    assert not Config().train.compile and Config().model.activation_checkpointing == "none"  # off by default
     for bad, key in (
         ("data.tokenizer=bpe", "data.tokenizer"),
         ("train.peak_tflops=-1", "train.peak_tflops"),
@@ -91,7 +91,7 @@ def test_byte_tokenizer_and_synthetic_data(tmp_path):
 def test_activation_checkpointing_gives_identical_loss_and_gradients():
     cfg, _ = load_config(["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16", "model.dropout=0.1"])
     grads, losses = [], []
-    for ckpt in (False, True):
+    for ckpt in ("none", "full"):
         cfg.model.activation_checkpointing = ckpt
         torch.manual_seed(0)
         model = GPT(cfg.model, 50)

@@ -70,9 +70,9 @@ def cells() -> list[Cell]:
         Cell("compile", "torch.compile (train.compile=true)", both, overrides=("train.compile=true",), in_quick=False),
         Cell(
             "ckpt",
-            "activation checkpointing (model.activation_checkpointing=true)",
+            "activation checkpointing (model.activation_checkpointing=full)",
             both,
-            overrides=("model.activation_checkpointing=true",),
+            overrides=("model.activation_checkpointing=full",),
         ),
         Cell("workers1", "1 DataLoader worker (data.num_workers=1)", both, overrides=("data.num_workers=1",)),
         Cell("workers2", "2 DataLoader workers (data.num_workers=2)", both, overrides=("data.num_workers=2",), in_quick=False),

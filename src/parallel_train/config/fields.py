@@ -30,10 +30,12 @@ def opt(
     max: float | None = None,
     above: float | None = None,
     below: float | None = None,
+    aliases: dict[str, str] | None = None,
 ) -> Any:
     """A config field with its help text, its allowed values if the set is closed, and its range:
-    `min`/`max` inclusive, `above`/`below` exclusive. Integers default to at most INT_MAX; numbers must be finite."""
-    meta = {"help": help, "choices": choices, "min": min, "max": max, "above": above, "below": below}
+    `min`/`max` inclusive, `above`/`below` exclusive. Integers default to at most INT_MAX; numbers must be finite.
+    `aliases`: old or short values and the value each stands for (a key that was a bool and grew more choices)."""
+    meta = {"help": help, "choices": choices, "min": min, "max": max, "above": above, "below": below, "aliases": aliases or {}}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)

@@ -62,7 +62,9 @@ def _set(cfg: Config, key: str, value: Any, ignored: list[str] | None = None) ->
                 raise UserError(
                     f"config key '{key}' is a section; set one of its keys, e.g. {key}.{next(iter(fields_of(getattr(node, name))))}=..."
                 )
-            setattr(node, name, coerce(key, value, hints(type(node))[name]))
+            value = coerce(key, value, hints(type(node))[name])
+            aliases = fields[part].metadata.get("aliases") or {}  # e.g. model.activation_checkpointing=true: full
+            setattr(node, name, aliases.get(value, value) if isinstance(value, str) else value)
         else:
             node = getattr(node, fields[part].name)
             if not dataclasses.is_dataclass(node):

@@ -24,12 +24,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from parallel_train.config.fields import check, opt
 from parallel_train.config.model import ModelConfig
 from parallel_train.errors import UserError
 from parallel_train.models import document_mask
+from parallel_train.models.activation_checkpoint import Checkpointing, check_option, mode_field, option_field
 
 
 @dataclass
@@ -41,11 +41,13 @@ class GPTConfig(ModelConfig):
     n_embd: int = opt(128, "embedding width (divisible by n_head)", min=1)
     dropout: float = opt(0.0, "dropout probability", min=0.0, below=1.0)
     bias: bool = opt(True, "bias in Linear and LayerNorm layers")
-    activation_checkpointing: bool = opt(False, "recompute each block's activations in backward: less memory, about 1/3 more compute")
+    activation_checkpointing: str = mode_field()  # none | full | selective (models/activation_checkpoint.py)
+    selective_ac: str = option_field()
     tie_embeddings: bool = opt(False, "the output layer uses the token embedding's weight (GPT-2 ties them): fewer parameters")
 
     def check(self) -> None:
         check(self.n_embd % self.n_head == 0, f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})")
+        check_option(self.selective_ac)
 
 
 class CausalSelfAttention(nn.Module):
@@ -108,7 +110,7 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig, vocab_size: int):
         super().__init__()
         self.block_size, self.n_head, self.dropout_p = cfg.block_size, cfg.n_head, cfg.dropout
-        self.activation_checkpointing = cfg.activation_checkpointing
+        self.activation_checkpointing = Checkpointing(cfg.activation_checkpointing, cfg.selective_ac)
         self.tok_emb = nn.Embedding(vocab_size, cfg.n_embd)
         self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
@@ -136,6 +138,11 @@ class GPT(nn.Module):
         elif isinstance(module, nn.LayerNorm):
             module.reset_parameters()
 
+    def get_output_embeddings(self) -> nn.Module | None:
+        """The layer that makes the logits (transformers' name for it): tensor parallelism keeps its output cut by
+        vocabulary for the loss (loss parallel, parallel/sharding.py)."""
+        return self.head
+
     def tensor_parallel_plan(self, tp: int) -> dict:
         """How `parallel.tp` ranks cut this model: {module name: torch ParallelStyle}, for `parallelize_module`.
 
@@ -143,7 +150,8 @@ class GPT(nn.Module):
         hidden units), the attention and MLP output projections by rows (one all-reduce each, done as a
         reduce-scatter: sequence parallel); between them the residual stream, the LayerNorms and dropout work on
         1/tp of the sequence each. The embeddings are cut by rows of the vocabulary / positions, the output layer
-        by columns (the vocabulary), and the logits gathered whole, so the loss is the unsplit model's.
+        by columns (the vocabulary), the logits gathered whole; the mesh engine keeps them cut by vocabulary instead and
+        computes the loss on the shards (loss parallel, parallel/sharding.py).
         Parts a pipeline stage does not hold are skipped by the caller.
         """
         from torch.distributed.tensor import Replicate, Shard
@@ -185,13 +193,10 @@ class GPT(nn.Module):
             x = self.drop(self.tok_emb(x) + self.pos_emb(pos))
         # Once per forward (every stage of a pipeline builds its own); flex attention has no dropout.
         mask = document_mask.for_positions(positions, flex=False if self.training and self.dropout_p else None)
-        for block in self.blocks.values():
-            if self.activation_checkpointing and torch.is_grad_enabled():
-                # Keep only the block's input; backward reruns its forward (same dropout masks: the RNG
-                # state is saved), trading about a third more compute for the block's activations.
-                x = checkpoint(block, x, mask, use_reentrant=False)
-            else:
-                x = block(x) if mask is None else block(x, mask)
+        for name, block in self.blocks.items():
+            # model.activation_checkpointing: keep less for backward and rerun the block's forward there (same dropout
+            # masks: the RNG state is saved). Blocks are counted by their name: a pipeline stage's blocks.5 is layer 5.
+            x = self.activation_checkpointing.run(int(name), block, *((x,) if mask is None else (x, mask)))
         if self.ln_f is not None:
             x = self.ln_f(x)
         if self.head is not None:

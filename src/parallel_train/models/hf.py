@@ -37,6 +37,7 @@ from parallel_train.config.fields import check, opt
 from parallel_train.config.model import ModelConfig
 from parallel_train.errors import UserError
 from parallel_train.models import hf_export, hf_layouts, hf_loading, hf_lora, hf_tensor_parallel
+from parallel_train.models.activation_checkpoint import Checkpointing, check_option, mode_field, option_field
 from parallel_train.models.ties import find_ties, with_aliases
 
 
@@ -55,9 +56,8 @@ class HFConfig(ModelConfig):
         choices=("sdpa", "eager", "flash_attention_2", "flex_attention"),
     )
     untie_embeddings: bool = opt(False, "give lm_head its own copy of a tied input embedding (trained apart, exported untied)")
-    activation_checkpointing: bool = opt(
-        False, "recompute each decoder layer's activations in backward: less memory, about 1/3 more compute"
-    )
+    activation_checkpointing: str = mode_field()  # none | full | selective, per decoder layer (models/activation_checkpoint.py)
+    selective_ac: str = option_field()
     lora_rank: int = opt(0, "LoRA (peft): 0 trains every weight; R > 0 freezes them and trains rank-R adapters", min=0, max=65536)
     lora_alpha: float = opt(16.0, "LoRA: the adapters' output is scaled by lora_alpha / lora_rank", above=0.0)
     lora_dropout: float = opt(0.0, "LoRA: dropout on the adapters' input", min=0.0, below=1.0)
@@ -71,6 +71,7 @@ class HFConfig(ModelConfig):
     def check(self) -> None:
         check(bool(self.hf_path), "model.hf_path: give a local model folder or a Hub name, e.g. model.hf_path=Qwen/Qwen2.5-0.5B")
         hf_loading.check_local_folder(self.hf_path)
+        check_option(self.selective_ac)
         check(
             not self.lora_rank or self.hf_pretrained,
             "model.lora_rank: LoRA adapts pretrained weights, which checkpoints do not hold; keep model.hf_pretrained=true",
@@ -95,8 +96,11 @@ class HFCausalLM(nn.Module):
             self.weight_aliases.update(find_ties(hf))
             hf.lm_head.weight = nn.Parameter(hf.lm_head.weight.detach().clone())
             hf.config.get_text_config().tie_word_embeddings = False
-        if cfg.activation_checkpointing:
-            hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        checkpointing = Checkpointing(cfg.activation_checkpointing, cfg.selective_ac)
+        if checkpointing.mode != "none":  # transformers checkpoints each decoder layer's forward (FSDP2's hooks stay outside)
+            hf.activation_checkpointing_enable(
+                activation_checkpointing_kwargs=checkpointing.kwargs(), every_n_layers=checkpointing.every_n_layers()
+            )
         hf.config.use_cache = False  # training: no key/value cache
         self.__dict__["hf"] = hf
         self._register_parts()
@@ -248,7 +252,7 @@ class HFCausalLM(nn.Module):
         written alone beside it too. `options`: export_pretrained's source, dtype and chat_files."""
         base = None
         if cfg.lora_rank:
-            plain = dataclasses.replace(cfg, lora_rank=0, activation_checkpointing=False)
+            plain = dataclasses.replace(cfg, lora_rank=0, activation_checkpointing="none")
             base = HFCausalLM(plain, hf_loading.embedding_rows(hf_loading.load_config(cfg.hf_path))).hf
         return hf_export.export_pretrained(cfg, state, out, tokenizer, base=base, **options)
 

@@ -88,5 +88,5 @@ def accumulate(
         with sync(i == len(micro) - 1):
             s = loss_sum(forward(x, **kwargs), y)
             backward(s)
-        total += s.detach()
+        total += s.detach().full_tensor() if hasattr(s, "full_tensor") else s.detach()  # loss parallel's is a DTensor
     return total

@@ -14,8 +14,9 @@ backward (activations and scratch, no gradients: each step sets them to None) an
 or both together when gradients accumulate over micro-steps or pipeline micro-batches. FSDP2 holds the whole
 parameters of about two blocks at a time (one computing, one prefetched); a pipeline stage holds the
 activations of M micro-batches under gpipe and of at most min(M, S) under the other schedules (1F1B's bound;
-the interleaved and V schedules' warm-up can hold a few more). Activation checkpointing keeps each block's
-input and recomputes one block at a time in backward. Backward needs scratch beside them: the gradient of the
+the interleaved and V schedules' warm-up can hold a few more). Full activation checkpointing keeps each block's
+input and recomputes one block at a time in backward; the selective mode (model.activation_checkpointing=selective)
+is not modelled yet: it keeps less than none and more than full, and the estimate shows those two. Backward needs scratch beside them: the gradient of the
 largest saved tensor and of its input (for a language model, the log-probabilities over the vocabulary:
 2 x batch x context x vocab x 4 bytes), counted as "working".
 """
@@ -31,6 +32,7 @@ from torch import nn
 from parallel_train.config.sections import Config
 from parallel_train.losses import loss_fn
 from parallel_train.models import build_model
+from parallel_train.models.activation_checkpoint import Checkpointing
 from parallel_train.parallel.mesh import MeshLayout, build_device_mesh, resolve_layout
 from parallel_train.parallel.parts import fsdp_units, model_units
 from parallel_train.parallel.pipeline.placement import stages_of_rank, stages_per_rank
@@ -67,7 +69,7 @@ class RankMemory:
     fsdp_buffers: int
     working: int  # backward's scratch: the gradients of the largest saved tensor and of its input
     activations: int
-    activations_ckpt: int | None  # with model.activation_checkpointing=true (None: the model has no such switch)
+    activations_ckpt: int | None  # with model.activation_checkpointing=full (None: the model has no such switch)
     accumulating: bool = False  # gradient accumulation: the gradients outlive a micro-step, beside its activations
     breakdown: dict[str, int] = field(default_factory=dict)  # activation bytes per part of the model, per micro-batch
 
@@ -121,6 +123,17 @@ def _held(cfg: Config, layout: MeshLayout, vocab_size: int, mesh) -> list[tuple[
     return out
 
 
+def _loss_context(model: nn.Module):
+    """torch's loss_parallel where the run has it (its logits cut by vocabulary: sharding.logits_by_vocabulary)."""
+    layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(layer, "weight", None)
+    if weight is None or not hasattr(weight, "placements") or not any(p.is_shard(0) for p in weight.placements):
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
 def saved_bytes_per_part(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast_dtype
 ) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
@@ -149,7 +162,7 @@ def saved_bytes_per_part(
     handles = [module.register_forward_pre_hook(enter(name)) for name, module in units.items()]
     amp = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp, _loss_context(model):
             out = model(x)
             current[0] = "loss"
             loss_fn(out, y)
@@ -176,9 +189,11 @@ def _activations(
         model = build_model(cfg.model, vocab_size)
     can_checkpoint = hasattr(model, "activation_checkpointing")
     if can_checkpoint:
-        model.activation_checkpointing = False  # measured without; checkpointing is derived from the parts
+        model.activation_checkpointing = Checkpointing()  # measured without; full checkpointing is derived from the parts
     if layout.sharded:
-        parallelize(model, mesh, MeshLayout(dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp))
+        # The mesh engine's cut, loss parallel included (a pipeline keeps its logits whole: parallel/sharding.py)
+        cut = MeshLayout(dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp)
+        parallelize(model, mesh, cut, loss_parallel=layout.tp > 1 and layout.pp == 1)
     precision = cfg.train.mixed_precision
     dtype = torch.bfloat16 if precision in ("bf16", "fp16") else None
     with FakeTensorMode(allow_non_fake_inputs=True):

@@ -37,7 +37,7 @@ from parallel_train.parallel.ddp_engine import OptimizerFactory
 from parallel_train.parallel.engine import accumulate
 from parallel_train.parallel.mesh import MeshLayout, build_device_mesh, mesh_summary, share_line
 from parallel_train.parallel.precision import Precision
-from parallel_train.parallel.sharding import clip_grad_norm, local_numel, parallelize, refuse_cut_ties
+from parallel_train.parallel.sharding import clip_grad_norm, local_numel, output_layer, parallelize, refuse_cut_ties, tensor_parallel_plan
 
 
 class MeshEngine:
@@ -58,17 +58,25 @@ class MeshEngine:
         refuse_cut_ties(model, self.ties, layout.tp)
         self.mesh = build_device_mesh(layout, self.device.type)
         policy = precision.fsdp_policy()
-        self.compiled = parallelize(model, self.mesh, layout, mp_policy=policy, compile=cfg.train.compile)
+        # Loss parallel under tensor parallelism: the logits stay cut by vocabulary and the loss runs on the shards.
+        plan = tensor_parallel_plan(model, layout.tp) if layout.tp > 1 else {}
+        self.loss_parallel = output_layer(model, plan) is not None
+        sequence_parallel = any(type(style).__name__ == "SequenceParallel" for style in plan.values())
+        self.compiled = parallelize(model, self.mesh, layout, mp_policy=policy, compile=cfg.train.compile, loss_parallel=self.loss_parallel)
         init.fill(model, self.device)  # parallel/model_init.py: only now does this rank's slice of each parameter get memory
         self.model = model
         self.fsdp = hasattr(model, "set_requires_gradient_sync")  # fully_shard made it an FSDPModule
         self.autocast = not (self.fsdp and policy is not None)  # FSDP2's policy already computes in bf16/fp16
-        self.loss_fn = torch.compile(loss_sum) if cfg.train.compile else loss_sum
+        self.loss_fn = torch.compile(loss_sum) if cfg.train.compile and not self.loss_parallel else loss_sum
         self.optimizer = make_optimizer(model)
         self.params = [q for group in self.optimizer.param_groups for q in group["params"]]
         self.local_numel = local_numel(model)
         what = [w for w, on in (("HSDP" if layout.dp_replicate > 1 else "FSDP2", layout.dp > 1), ("tensor parallel", layout.tp > 1)) if on]
         self.name = f"device mesh ({' + '.join(what)}, plain torch): {share_line(layout, self.local_numel, total)}"
+        if sequence_parallel or self.loss_parallel:
+            self.name += "; " + " and ".join(
+                w for w, on in (("sequence parallel", sequence_parallel), ("loss parallel", self.loss_parallel)) if on
+            )
         if self.fsdp and policy is not None:
             self.name += f"; FSDP2 mixed precision: parameters gathered and computed in {precision.name}, gradients reduced in fp32"
 
@@ -83,7 +91,15 @@ class MeshEngine:
             with precision.autocast(self.autocast):
                 return self.model(x, **kwargs)
 
-        return accumulate(micro, forward, self.loss_fn, lambda s: precision.scale(s * scale).backward(), self._sync, self.device)
+        with self._loss_context():  # forward, loss and backward: loss_parallel's ops run in all three
+            return accumulate(micro, forward, self.loss_fn, lambda s: precision.scale(s * scale).backward(), self._sync, self.device)
+
+    def _loss_context(self):
+        if not self.loss_parallel:
+            return nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm(self.params, max_norm)
@@ -92,6 +108,8 @@ class MeshEngine:
         """Every rank runs the forward (FSDP all-gathers, TP all-reduces); tensor-parallel rank 0 reports."""
         with self.precision.autocast(self.autocast):
             logits = self.model(x.to(self.device), **{k: v.to(self.device) for k, v in kwargs.items()})
+        if self.loss_parallel:  # every metric sees whole logits: gathered here, for one evaluation batch (no gradients)
+            logits = logits.full_tensor()
         return logits if self.tp_rank == 0 else None
 
     def set_training(self, on: bool) -> None:

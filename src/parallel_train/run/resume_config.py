@@ -43,6 +43,7 @@ MAY_CHANGE = (
     "data.num_workers",
     "data.verify",
     "model.activation_checkpointing",
+    "model.selective_ac",
     # what it keeps and reports, and its safety rails
     "checkpoint.keep",
     "checkpoint.keep_best",
