@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import json
 import os
 import re
@@ -171,7 +172,7 @@ def check_target(target: Path, checkpoint: Path, fmt: str) -> None:
 
 def remove_stale(parent: Path, name: str) -> None:
     """The temporary folders that killed exports to `parent/name` left (their process is gone)."""
-    for stale in parent.glob(f".{name}.tmp-*"):
+    for stale in parent.glob(f".{glob.escape(name)}.tmp-*"):
         pid = stale.name.rsplit("-", 1)[1]
         if not pid.isdigit() or int(pid) == os.getpid():
             continue
