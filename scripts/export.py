@@ -126,6 +126,7 @@ def main() -> int:
     limit = size_bytes(args.max_shard_size) if args.max_shard_size else None
     folder = checkpoint_of(args.source)
     out = args.out or default_target(args.source, folder, args.format)
+    out = out.resolve() if out.is_symlink() else out  # a link to a folder: the folder it names is replaced
     if args.format == "hf":
         targets, write = hf_writer(folder, out, args.dtype)
     else:
@@ -134,8 +135,7 @@ def main() -> int:
         check_target(target, folder, args.format)
     # OUT left out: the default may sit on the run's read-only disk
     hint = "" if args.out else f"give OUT elsewhere: python scripts/export.py {args.source} OUT --format {args.format}"
-    where = out.resolve() if out.is_symlink() else out  # a link to a folder: the folder it names is replaced
-    print(write_folders(where, write, names={t.name for t in targets}, hint=hint))
+    print(write_folders(out, write, names={t.name for t in targets}, hint=hint))
     return 0
 
 
