@@ -19,6 +19,13 @@ files (its chat template too), so that `AutoModelForCausalLM.from_pretrained(OUT
 load it (the model's config.json comes from model.hf_path). A LoRA run's (model.lora_rank) holds the base model with
 the adapters merged in, and OUT-adapter beside it the adapters alone, for `peft.PeftModel.from_pretrained`. A run
 writes output_dir/hf/ (and output_dir/adapter/) itself at the end.
+
+OUT is never a run folder, a checkpoint, or a folder holding anything an earlier export did not write: such an OUT
+is refused in one line naming it and what is there, before anything is written (src/parallel_train/run/export_dir.py).
+Without OUT: RUN/hf for `--format hf` of a run folder (the run's own export, replaced), else
+RUN/exports/step_NNNNNNN-safetensors or -hf beside the run's checkpoints (outside checkpoints/: a checkpoint stays
+as its manifest says). Everything is written into `.OUT.tmp-<pid>` beside OUT and renamed in place at the end: a
+full or read-only disk, or any failure, is one line, and leaves the old OUT as it was.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run from a clone, no install step
@@ -51,13 +59,18 @@ def size_bytes(text: str) -> int:
 def parse(argv: list[str]) -> argparse.Namespace:
     p = Parser(description="Export a run's weights as safetensors or as a Hugging Face model folder.")
     p.add_argument("source", type=Path, help="a checkpoints/step_* folder, or a run's output_dir (its newest valid checkpoint)")
-    p.add_argument("out", type=Path, nargs="?", help="the folder to write (default with --format hf: SOURCE/hf)")
+    p.add_argument(
+        "out",
+        type=Path,
+        nargs="?",
+        help="the folder to write, new or empty or an earlier export (default: RUN/hf for --format hf of a run, else RUN/exports/step_NNNNNNN-FORMAT)",
+    )
     p.add_argument("--format", choices=("safetensors", "hf"), default="safetensors", help="what to write (default: safetensors)")
     p.add_argument("--max-shard-size", default=None, help="safetensors: files of at most this size, e.g. 5GB (default: one file)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), help="hf: dtype of the exported weights (default: the run's model.dtype)")
     args = p.parse_args(argv)
-    if args.out is None and args.format == "safetensors":
-        raise UserError("give the folder to write the weights to: python scripts/export.py SOURCE OUT")
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        raise UserError(f"{args.out}: is a file; give a folder")
     return args
 
 
@@ -73,40 +86,56 @@ def checkpoint_of(source: Path) -> Path:
     return folder
 
 
-def export_hf(folder: Path, out: Path, dtype: str | None) -> str:
-    """A model.name=hf checkpoint as a Hugging Face model folder."""
+def hf_writer(folder: Path, out: Path, dtype: str | None) -> tuple[list[Path], Callable[[Path], str]]:
+    """A model.name=hf checkpoint as a Hugging Face model folder: the folders it writes (OUT, and OUT-adapter beside it
+    for a LoRA run) and the function that writes them into a given folder."""
     import yaml
 
-    from parallel_train.checkpoint.export import load_weights
     from parallel_train.config.load import config_from_dict
-    from parallel_train.data.chat_format import FILES as CHAT_FILES
-    from parallel_train.data.tokenizers import load_saved
-    from parallel_train.models.hf import HFCausalLM
+    from parallel_train.models.hf_export import adapter_folder
 
     cfg = config_from_dict(yaml.safe_load((folder / "config.yaml").read_text()) or {})
     if cfg.model.name != "hf":
         raise UserError(f"{folder} trained model.name={cfg.model.name}; --format hf exports model.name=hf runs (use --format safetensors)")
-    # The chat template the run trained with (data.format=chat|instruction), saved beside its tokenizer.
-    chat_files = {name: (folder / name).read_text(encoding="utf-8") for name in CHAT_FILES if (folder / name).is_file()}
-    # save_pretrained needs the whole model in memory, as the run's own export does; no optimizer state is read.
-    state = load_weights(folder)
-    return HFCausalLM.export(cfg.model, state, out, load_saved(folder), source=str(folder), dtype=dtype, chat_files=chat_files)
+
+    def write(into: Path) -> str:
+        from parallel_train.checkpoint.export import load_weights
+        from parallel_train.data.chat_format import FILES as CHAT_FILES
+        from parallel_train.data.tokenizers import load_saved
+        from parallel_train.models.hf import HFCausalLM
+
+        # The chat template the run trained with (data.format=chat|instruction), saved beside its tokenizer.
+        chat_files = {name: (folder / name).read_text(encoding="utf-8") for name in CHAT_FILES if (folder / name).is_file()}
+        # save_pretrained needs the whole model in memory, as the run's own export does; no optimizer state is read.
+        state = load_weights(folder)
+        return HFCausalLM.export(cfg.model, state, into, load_saved(folder), source=str(folder), dtype=dtype, chat_files=chat_files)
+
+    return [out, adapter_folder(out)] if cfg.model.lora_rank else [out], write
+
+
+def safetensors_writer(folder: Path, out: Path, limit: int | None) -> tuple[list[Path], Callable[[Path], str]]:
+    from parallel_train.checkpoint.export import export
+
+    return [out], lambda into: "\n".join(str(path) for path in export(folder, into, limit))
 
 
 def main() -> int:
+    from parallel_train.run.export_dir import check_target, default_target, write_folders
+
     args = parse(sys.argv[1:])
     limit = size_bytes(args.max_shard_size) if args.max_shard_size else None
     folder = checkpoint_of(args.source)
-    out = args.out or args.source / "hf"
-    if out.exists() and not out.is_dir():
-        raise UserError(f"{out}: is a file; give a folder")
+    out = args.out or default_target(args.source, folder, args.format)
+    out = out.resolve() if out.is_symlink() else out  # a link to a folder: the folder it names is replaced
     if args.format == "hf":
-        print(export_hf(folder, out, args.dtype))
-        return 0
-    from parallel_train.checkpoint.export import export
-
-    for path in export(folder, out, limit):
-        print(path)
+        targets, write = hf_writer(folder, out, args.dtype)
+    else:
+        targets, write = safetensors_writer(folder, out, limit)
+    for target in targets:  # before anything is written: never a run, a checkpoint or a folder with a user's files
+        check_target(target, folder, args.format)
+    # OUT left out: the default may sit on the run's read-only disk
+    hint = "" if args.out else f"give OUT elsewhere: python scripts/export.py {args.source} OUT --format {args.format}"
+    print(write_folders(out, write, names={t.name for t in targets}, hint=hint))
     return 0
 
 

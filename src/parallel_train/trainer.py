@@ -45,6 +45,7 @@ from parallel_train.parallel.accelerator import deepspeed_runs, make_accelerator
 from parallel_train.parallel.build import build_engine, describe, splits_the_model
 from parallel_train.parallel.model_init import Whole, start_model
 from parallel_train.parallel.precision import make_precision
+from parallel_train.run.export_dir import write_folders
 from parallel_train.run.output_dir import check_output_dir, lock_output_dir
 from parallel_train.run.resume import choose_checkpoint
 from parallel_train.run.resume_config import SCHEDULE, apply_schedule, change_notice, check_same_files, config_changes
@@ -353,7 +354,12 @@ class Trainer:
             raise write_error(out / "model.safetensors", e, sum(w.nbytes for w in checkpoint_weights(source).values())) from None
         own_format = getattr(MODELS[cfg.model.name], "export", None)  # a model from elsewhere saves its own format too
         if own_format is not None:  # from the whole model just written (save_pretrained takes it in memory)
-            written = own_format(cfg.model, load_weights(out), out / "hf", self.data.vocab, chat_files=self.data.files)
+            weights = load_weights(out)  # written whole beside the old hf/ (and adapter/), then in their place
+            written = write_folders(
+                out / "hf",
+                lambda folder: own_format(cfg.model, weights, folder, self.data.vocab, chat_files=self.data.files),
+                hint="free space (or fix the disk), then relaunch: the run writes hf/ again from its last checkpoint",
+            )
             say(f"[parallel_train] {written}")
         summary = {**self.summary(), **engine_summary}
         write_atomic(out / "summary.json", json.dumps(summary, indent=1))

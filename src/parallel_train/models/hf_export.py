@@ -16,8 +16,6 @@ the weights are assigned to it, and `save_pretrained` writes them (sharded above
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -90,16 +88,6 @@ def adapter_folder(out: Path) -> Path:
     return out.with_name("adapter") if out.name == "hf" else out.with_name(f"{out.name}-adapter")
 
 
-def replace_folder(out: Path, write) -> None:
-    """`write(folder)` into a folder beside `out`, then put it in `out`'s place: never half a folder under its name."""
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    write(tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-
-
 def export_pretrained(
     cfg: Any,
     state: dict[str, torch.Tensor],
@@ -110,7 +98,8 @@ def export_pretrained(
     base: Any = None,
     chat_files: dict[str, str] | None = None,
 ) -> str:
-    """Write `out` (replaced whole: written beside it, then renamed), its weights in `dtype` (default: as trained).
+    """Write the folder `out` (new or empty: run/export_dir.py's `write_folders` writes it beside the old one and
+    replaces it whole), its weights in `dtype` (default: as trained).
     `base`: for a LoRA run, the transformers model with its pretrained weights, into which `state` (the adapters)
     is merged; the adapters alone go to `adapter_folder(out)`. `chat_files`: the chat template the run trained with
     and its tokenizer config (data/chat_format.py), which replace the model folder's (data.chat_template may have given
@@ -122,20 +111,14 @@ def export_pretrained(
         load_weights(model, {k: v.to(hf_loading.DTYPES[dtype]) if v.is_floating_point() else v for k, v in state.items()}, source)
     else:
         adapters = adapter_folder(out)
-        merged = []
-        replace_folder(adapters, lambda folder: merged.append(hf_lora.save_and_merge(base, cfg, state, folder)))
-        model = merged[0].to(hf_loading.DTYPES[dtype])
+        model = hf_lora.save_and_merge(base, cfg, state, adapters).to(hf_loading.DTYPES[dtype])
         model.config.use_cache = True  # for inference: generate() uses the cache
         extra = f" (LoRA adapters merged into the weights); the adapters alone, for peft: {adapters}"
     saved = hf_tokenizer(tokenizer, cfg.hf_path)
-
-    def write(folder: Path) -> None:
-        model.save_pretrained(folder)
-        if saved is not None:
-            saved.save_pretrained(folder)
-            for name, text in (chat_files or {}).items():
-                (folder / name).write_text(text, encoding="utf-8")
-
-    replace_folder(out, write)
+    model.save_pretrained(out)
+    if saved is not None:
+        saved.save_pretrained(out)
+        for name, text in (chat_files or {}).items():
+            (out / name).write_text(text, encoding="utf-8")
     note = "" if saved is not None else " (no tokenizer files: the run's tokenizer has no Hugging Face form)"
     return f"Hugging Face model folder: {out}{extra}{note}"
