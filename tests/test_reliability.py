@@ -232,6 +232,44 @@ def test_sigterm_to_torchrun_checkpoints_on_all_ranks(tmp_path):
     assert "Traceback" not in "".join(line for line in lines if "[rank" in line)  # workers: no tracebacks
 
 
+def test_sigkill_of_torchrun_ends_its_workers_with_a_checkpoint(tmp_path):
+    """torchrun starts each worker in a session of its own, so a SIGKILL of torchrun reaches none of them: they
+    trained on as orphans. Each worker now asks Linux for SIGTERM when its launcher dies (parallel/launch_env.py):
+    they stop at one step, checkpoint and exit."""
+    import psutil
+
+    out = tmp_path / "run"
+    cmd = torchrun_cmd(2, *TINY, "train.max_steps=100000", "eval.interval=0", "checkpoint.interval=0", f"output_dir={out}")
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=fault_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    workers: list[psutil.Process] = []
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 240
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("step 3/100000 "):
+                break
+            assert time.monotonic() < deadline, "no step 3 line"
+        workers = psutil.Process(proc.pid).children()
+        assert len(workers) == 2
+        proc.kill()  # SIGKILL: torchrun forwards nothing
+        gone, alive = psutil.wait_procs(workers, timeout=60)
+        assert not alive, f"workers {[w.pid for w in alive]} outlived torchrun by 60 s"
+        lines += proc.stdout.read().splitlines()  # every writer of the pipe has exited: this ends
+    finally:
+        for worker in workers:  # only what this test started, by pid
+            if worker.is_running():
+                worker.kill()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    output = "\n".join(lines)
+    match = re.search(r"SIGTERM: stopped at step (\d+) of 100000 and saved (\S+)\.", output)
+    assert match, output[-3000:]
+    assert checkpointer.verify(Path(match.group(2))) is None
+
+
 # ---------------------------------------------------------------- checkpoint hygiene
 
 
