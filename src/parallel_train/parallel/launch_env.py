@@ -70,27 +70,44 @@ def _print(message: str) -> None:
 PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
+def launched_by_a_launcher(env: dict[str, str], parent: int) -> bool:
+    """Whether this process's parent is a launcher: torch's elastic agent (torchrun, a multi-process accelerate launch:
+    it sets TORCHELASTIC_RUN_ID), or a one-process `accelerate launch`, which starts the script as a plain child and
+    marks it with nothing but its own command line."""
+    if "TORCHELASTIC_RUN_ID" in env:
+        return True
+    try:
+        argv = Path(f"/proc/{parent}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return False
+    names = [Path(arg).name for arg in argv[:3]]
+    return ("accelerate" in names and "launch" in argv[1:4]) or bool(
+        {"accelerate-launch", "accelerate.commands.launch"} & {*names, *argv[:3]}
+    )
+
+
 def end_with_launcher(env: dict[str, str] | None = None) -> bool:
     """Ask Linux to send this process SIGTERM when the launcher that started it dies.
 
-    torch's elastic agent (torchrun, and accelerate launch, which runs the same agent) starts every worker in a session
-    of its own. A SIGKILL of the agent therefore reaches no worker: they trained on as orphans (measured: two workers
-    still stepping 10 s after `kill -9` of torchrun). With the parent-death signal each worker gets the SIGTERM
-    that a preemption gives, so it checkpoints at the next step boundary and exits (guards.py). Only under the agent
-    (TORCHELASTIC_RUN_ID): a plain `python train.py` belongs to its shell. Returns whether the signal is set."""
+    torch's elastic agent (torchrun, and a multi-process accelerate launch, which runs the same agent) starts every
+    worker in a session of its own. A SIGKILL of the agent therefore reaches no worker: they trained on as orphans
+    (measured: two workers still stepping 10 s after `kill -9` of torchrun). A one-process accelerate launch dies of
+    a SIGTERM without forwarding it, with the same result. With the parent-death signal each worker gets the SIGTERM
+    that a preemption gives, so it checkpoints at the next step boundary and exits (guards.py). Only under a
+    launcher: a plain `python train.py` belongs to its shell. Returns whether the signal is set."""
     env = os.environ if env is None else env
-    if sys.platform != "linux" or "TORCHELASTIC_RUN_ID" not in env:
+    parent = os.getppid()
+    if sys.platform != "linux" or not launched_by_a_launcher(env, parent):
         return False
     import ctypes
     import signal
 
-    parent = os.getppid()
     try:
         if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
             return False
     except (OSError, AttributeError):
         return False
-    if os.getppid() != parent:  # the agent died before the signal was set: nothing will send it now
+    if os.getppid() != parent:  # the launcher died before the signal was set: nothing will send it now
         os.kill(os.getpid(), signal.SIGTERM)
     return True
 
