@@ -21,7 +21,7 @@ FUSED_DEVICES = ("cpu", "cuda")  # where torch.optim.AdamW(fused=True) has a ker
 
 def param_groups(params: list[nn.Parameter], cfg: TrainConfig) -> list[dict]:
     """AdamW's groups: with train.weight_decay_params=matrices, weight decay on parameters of 2+ dimensions only (decay pulls a
-    norm's gain or a bias towards 0, which regularizes nothing and hurts); with all, one group that decays every one."""
+    norm's gain or a bias towards 0, which limits no weight matrix); with all, one group that decays every one."""
     if cfg.weight_decay_params == "all":
         return [{"params": params, "weight_decay": cfg.weight_decay}]
     decay = [p for p in params if p.dim() >= 2]
