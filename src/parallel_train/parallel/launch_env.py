@@ -130,7 +130,7 @@ def cpu_threads(env: dict[str, str] | None = None, cores: int | None = None) -> 
     (torchrun sets 1 for several processes when it is unset, and accelerate launch always sets it); otherwise the
     usable cores shared among the processes of this node (LOCAL_WORLD_SIZE), at least one: torch's own default is one
     thread per core for every process, so N processes on one node, or one on a busy or capped host, oversubscribe
-    the cores (measured 10-30x slower steps)."""
+    the cores (issue 27 reported steps 10-30x slower on a busy host until OMP_NUM_THREADS=1)."""
     env = os.environ if env is None else env
     given = env.get("OMP_NUM_THREADS", "").strip()
     if given.isdigit() and int(given) > 0:
