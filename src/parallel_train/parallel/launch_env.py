@@ -129,8 +129,9 @@ def cpu_threads(env: dict[str, str] | None = None, cores: int | None = None) -> 
     """Threads for this process's intra-op work. A user's OMP_NUM_THREADS stands
     (torchrun sets 1 for several processes when it is unset, and accelerate launch always sets it); otherwise the
     usable cores shared among the processes of this node (LOCAL_WORLD_SIZE), at least one: torch's own default is one
-    thread per core for every process, so N processes on one node, or one on a busy or capped host, oversubscribe
-    the cores (issue 27 reported steps 10-30x slower on a busy host until OMP_NUM_THREADS=1)."""
+    thread per core for every process, so N processes on one node, or one in a CPU-capped container, oversubscribe
+    the cores (issue 27 reported steps 10-30x slower on a busy host until OMP_NUM_THREADS=1). Other users' load on
+    an uncapped host is not seen here: OMP_NUM_THREADS stays the lever for that."""
     env = os.environ if env is None else env
     given = env.get("OMP_NUM_THREADS", "").strip()
     if given.isdigit() and int(given) > 0:
