@@ -22,6 +22,7 @@ from parallel_train.data.tokenizers import ByteVocab, CharVocab, load_vocab
 from parallel_train.errors import UserError
 from parallel_train.models.gpt import GPT
 from parallel_train.observe.perf import keep_freed_host_memory, mfu, peak_flops, process_age_s
+from parallel_train.parallel.launch_env import cpu_threads
 
 IMPORTED = time.monotonic()  # this process has lived at least this long when a test runs
 
@@ -119,6 +120,15 @@ def test_the_host_allocator_setting_leaves_the_users_own_alone(monkeypatch):
     assert not keep_freed_host_memory()
 
 
+def test_threads_share_the_usable_cores_among_the_nodes_processes_unless_the_user_chose():
+    assert cpu_threads({}, cores=16) == 16
+    assert cpu_threads({"LOCAL_WORLD_SIZE": "4"}, cores=16) == 4
+    assert cpu_threads({"LOCAL_WORLD_SIZE": "8"}, cores=2) == 1  # at least one
+    assert cpu_threads({"LOCAL_WORLD_SIZE": "4", "OMP_NUM_THREADS": "3"}, cores=16) == 3  # the user's stands
+    assert cpu_threads({"OMP_NUM_THREADS": ""}, cores=6) == 6  # set but empty: not a choice
+    assert 1 <= cpu_threads({}) <= (torch.multiprocessing.cpu_count() or 1)
+
+
 def test_peak_flops_and_mfu(monkeypatch):
     cfg, _ = load_config([])
     cpu = torch.device("cpu")
@@ -141,10 +151,13 @@ def test_process_age_counts_from_the_process_start():
 
 
 def test_run_reports_speed_metrics_with_activation_checkpointing(tmp_path):
-    """One real launch: synthetic data, activation checkpointing, a peak set by config -> MFU everywhere."""
+    """One real launch: synthetic data, activation checkpointing, a peak set by config -> MFU everywhere. No
+    OMP_NUM_THREADS: the banner shows the default thread count applied (the warm launcher's own torch has 1)."""
     out = tmp_path / "run"
     started = time.monotonic()
-    check(
+    env = launch_env(tmp_path)
+    del env["OMP_NUM_THREADS"]
+    result = check(
         run(
             warm_cmd(
                 1,
@@ -156,9 +169,10 @@ def test_run_reports_speed_metrics_with_activation_checkpointing(tmp_path):
                 "train.peak_tflops=0.05",
                 f"output_dir={out}",
             ),
-            env=launch_env(tmp_path),
+            env=env,
         )
     )
+    assert f"| threads {cpu_threads({})} |" in result.output, result.output[:600]
     train = [r for r in read_metrics(out) if r["kind"] == "train"]
     for r in train:
         assert r["tokens_per_sec"] > 0 and r["step_time_s"] > 0 and 0 <= r["data_time_frac"] <= 1 and r["mfu"] > 0

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import PYTHON, REPO, TINY, check, launch_env, read_metrics, run, torchrun_cmd, train_losses, warm_cmd
+from helpers import PYTHON, REPO, TINY, accelerate_cmd, check, launch_env, read_metrics, run, torchrun_cmd, train_losses, warm_cmd
 from parallel_train import faults
 from parallel_train.checkpoint import checkpointer
 from parallel_train.checkpoint.export import load_weights
@@ -230,6 +230,52 @@ def test_sigterm_to_torchrun_checkpoints_on_all_ranks(tmp_path):
     assert saved.name == checkpointer.checkpoint_name(int(match.group(1))) and checkpointer.verify(saved) is None
     assert (saved / "rng_rank0.safetensors").exists() and (saved / "rng_rank1.safetensors").exists()
     assert "Traceback" not in "".join(line for line in lines if "[rank" in line)  # workers: no tracebacks
+
+
+@pytest.mark.parametrize(
+    "launcher, sent",
+    [
+        pytest.param("torchrun", signal.SIGKILL, id="torchrun_sigkill"),
+        pytest.param("accelerate", signal.SIGTERM, id="accelerate_one_process_sigterm", marks=pytest.mark.slow),
+    ],
+)
+def test_a_killed_launcher_ends_its_workers_with_a_checkpoint(tmp_path, launcher, sent):
+    """torchrun starts each worker in a session of its own and a SIGKILL of it forwards nothing; a one-process
+    accelerate launch dies of a SIGTERM without forwarding it: either way the workers trained on as orphans. Each
+    worker now asks Linux for SIGTERM when its launcher dies (parallel/launch_env.py): they stop at one step,
+    checkpoint and exit."""
+    import psutil
+
+    out, args = tmp_path / "run", (*TINY, "train.max_steps=100000", "eval.interval=0", "checkpoint.interval=0")
+    cmd = torchrun_cmd(2, *args, f"output_dir={out}") if launcher == "torchrun" else accelerate_cmd("cpu", *args, f"output_dir={out}")
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=fault_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    workers: list[psutil.Process] = []
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 240
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("step 3/100000 "):
+                break
+            assert time.monotonic() < deadline, "no step 3 line"
+        workers = psutil.Process(proc.pid).children()
+        assert len(workers) == (2 if launcher == "torchrun" else 1)
+        proc.send_signal(sent)  # to the launcher alone, not its process group
+        _, alive = psutil.wait_procs(workers, timeout=60)
+        assert not alive, f"workers {[w.pid for w in alive]} outlived their launcher by 60 s"
+        lines += proc.stdout.read().splitlines()  # every writer of the pipe has exited: this ends
+    finally:
+        for worker in workers:  # only what this test started, by pid
+            if worker.is_running():
+                worker.kill()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    output = "\n".join(lines)
+    match = re.search(r"SIGTERM: stopped at step (\d+) of 100000 and saved (\S+)\.", output)
+    assert match, output[-3000:]
+    assert checkpointer.verify(Path(match.group(2))) is None
 
 
 # ---------------------------------------------------------------- checkpoint hygiene

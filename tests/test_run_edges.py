@@ -153,6 +153,7 @@ def test_a_new_learning_rate_applies_from_the_resumed_step_and_config_yaml_says_
     outcome, printed = train_here(capsys, *new, f"output_dir={out}")
     assert outcome == "ok", printed
     assert "notice: resumed with train.learning_rate 0.001 -> 0.003, train.lr_decay_steps 6 -> 9, train.max_steps 6 -> 9" in printed
+    assert printed.count("resumed from") == 1, printed  # once, on a resume that also changes the schedule
     cfg = load_config([*TINY, *new])[0].train
     logged = {r["step"]: r["lr"] for r in read_metrics(out) if r["kind"] == "train"}
     for step in range(7, 10):  # the LR logged at step k is the one step k used: lr_at(k - 1) of the new schedule

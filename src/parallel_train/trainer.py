@@ -117,6 +117,7 @@ class Trainer:
         configure_backends(cfg.train, self.device)
         say(
             f"[parallel_train] {describe(self.accelerator)} | world size {self.accelerator.num_processes} | device {self.device} | "
+            f"threads {torch.get_num_threads()} | "
             f"precision {self.precision.name} | config {config_path or 'defaults'} | output_dir {self.out} | tracker {tracker_word}"
         )
         self._set_up_model_and_engine()

@@ -71,11 +71,23 @@ class TrainConfig:
     max_steps: int = opt(2000, "optimizer steps to train for", min=1)
     optimizer: str = opt("adamw", "optimizer", choices=("adamw", "sgd"))
     learning_rate: float = opt(1e-3, "peak learning rate", above=0.0)
-    min_lr: float = opt(1e-4, "learning rate at the end of the cosine decay", min=0.0)
-    lr_schedule: str = opt("cosine", "learning-rate schedule", choices=("cosine", "constant"))
+    min_lr: float = opt(1e-4, "learning rate at the end of the decay", min=0.0)
+    lr_schedule: str = opt(
+        "cosine",
+        "learning-rate schedule after the warm-up: cosine or linear down to min_lr at lr_decay_steps; wsd (warmup-stable-"
+        "decay): learning_rate, then linear down over the last lr_decay_fraction of lr_decay_steps; constant (no warm-up)",
+        choices=("cosine", "linear", "wsd", "constant"),
+    )
     warmup_steps: int = opt(100, "linear warm-up steps", min=0)
-    lr_decay_steps: int = opt(2000, "step at which the cosine decay reaches min_lr", min=0)
-    weight_decay: float = opt(0.1, "AdamW weight decay (matrices only; biases, norms stay undecayed)", min=0.0)
+    lr_decay_steps: int = opt(2000, "step at which the decay reaches min_lr", min=0)
+    lr_decay_fraction: float = opt(0.2, "lr_schedule=wsd: the share of lr_decay_steps spent decaying (at its end)", above=0.0, max=1.0)
+    weight_decay: float = opt(0.1, "AdamW weight decay, on the parameters weight_decay_params names", min=0.0)
+    weight_decay_params: str = opt(
+        "matrices",
+        "matrices: decay parameters of 2+ dimensions only (biases, norms undecayed, close to transformers' Trainer); all: every "
+        "parameter, as torch.optim.AdamW(model.parameters()) does",
+        choices=("matrices", "all"),
+    )
     beta1: float = opt(0.9, "AdamW beta1", min=0.0, below=1.0)
     beta2: float = opt(0.99, "AdamW beta2", min=0.0, below=1.0)
     grad_clip: float = opt(1.0, "clip the global gradient norm to this value (0 disables)", min=0.0)

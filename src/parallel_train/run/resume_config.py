@@ -24,7 +24,14 @@ from parallel_train.config.load import flatten  # {"train": {"lr": 1}} -> {"trai
 from parallel_train.config.sections import Config
 from parallel_train.errors import UserError
 
-SCHEDULE = ("train.learning_rate", "train.min_lr", "train.lr_schedule", "train.warmup_steps", "train.lr_decay_steps")
+SCHEDULE = (
+    "train.learning_rate",
+    "train.min_lr",
+    "train.lr_schedule",
+    "train.warmup_steps",
+    "train.lr_decay_steps",
+    "train.lr_decay_fraction",
+)
 MAY_CHANGE = (
     "train.max_steps",
     *SCHEDULE,
