@@ -87,7 +87,7 @@ class HFCausalLM(nn.Module):
         super().__init__()
         config = hf_loading.load_config(cfg.hf_path)
         hf_loading.check_causal_lm(config, cfg.hf_path)
-        hf_loading.check_sizes(config, cfg.hf_path, vocab_size, cfg.block_size)
+        hf_loading.check_sizes(config, cfg.hf_path, vocab_size, cfg.block_size, cfg.vocab_size)
         hf = hf_loading.build_causal_lm(config, cfg.hf_path, cfg.dtype, cfg.attn_implementation)
         # Weights whose first values are another's in the files (an untied lm_head starts as the embedding).
         self.__dict__["weight_aliases"] = {}
