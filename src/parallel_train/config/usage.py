@@ -55,13 +55,13 @@ ROWS: tuple[Row, ...] = (
     Row(
         "data.chat_template",
         SAMPLES,
-        lambda c: not _text_source(c) or c.data.format != "text",
+        lambda c: c.data.format != "text",  # whatever the source: refused as before the table
         refuse=FULL_WINDOWS,
     ),
     Row(
         "data.packing",
         SAMPLES,
-        lambda c: not _text_source(c) or c.data.format != "text",
+        lambda c: c.data.format != "text",  # whatever the source: refused as before the table
         refuse=FULL_WINDOWS,
     ),
     Row("data.truncate", SAMPLES, lambda c: not _text_source(c) or c.data.format != "text"),
