@@ -61,6 +61,10 @@ def env(tmp_path_factory):
     no_unk = Tokenizer(models.WordLevel({"to": 0, "be": 1}, unk_token="[UNK]"))
     no_unk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     no_unk.save(str(f / "no_unk.json"))
+    # 401 ids, more than the tiny Llama's 300 embedding rows.
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, **{f"w{i}": i + 1 for i in range(400)}}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words.save(str(f / "words401.json"))
     (f / "not_a_checkpoint").mkdir()
     # Prepared data (scripts/prepare_data.py's format): one with another tokenizer than the run's, one with a truncated shard.
     prepare(Options([str(f / "new_chars.txt")], f / "prepared_byte", "byte", num_proc=1), print_fn=lambda m: None)
@@ -96,6 +100,9 @@ def env(tmp_path_factory):
 
 # model.name=hf on chat rows, in an output_dir of its own (the GPT run's tokenizer is not this model's)
 CHAT = ["model.name=hf", "model.hf_path={files}/chat_llama", "model.block_size=128", "data.format=chat", "output_dir={files}/chat_out"]
+
+# model.name=hf, random weights, a new output_dir
+PLAIN_HF = ["model.name=hf", "model.hf_path={files}/plain_llama", "model.hf_pretrained=false", "resume=none", "output_dir={files}/new_out"]
 
 # (id, arguments; {run} {files} are filled in, what the error line must contain[, environment of the case])
 CASES = [
@@ -198,6 +205,22 @@ CASES = [
         "lora_targets_match_nothing",
         [*CHAT, "data.path={files}/chats.jsonl", "data.truncate=true", "model.lora_rank=8", "model.lora_targets=[nothing]"],
         "model.lora_targets: Target modules {'nothing'} not found in the base model",
+    ),
+    # A tokenizer or vocabulary larger than the model's embedding: one line at the start, not an index error mid-run.
+    (
+        "tokenizer_beyond_the_embedding",
+        [*PLAIN_HF, "data.tokenizer={files}/words401.json"],
+        "the tokenizer has 401 ids but model.hf_path",
+    ),
+    (
+        "hf_vocab_size_beyond_the_embedding",
+        [*PLAIN_HF, "model.vocab_size=400"],
+        "model.vocab_size=400 exceeds the 300 embedding rows of model.hf_path",
+    ),
+    (
+        "gpt_vocab_size_below_the_tokenizer",
+        ["model.vocab_size=10", "resume=none", "output_dir={files}/new_out"],
+        "model.vocab_size=10 is smaller than the tokenizer's 65 ids; set model.vocab_size=0",
     ),
     ("lora_with_gpt", ["model.lora_rank=8"], "model.lora_rank: a key of model.name=hf only (LoRA adapts a pretrained Hugging Face model)"),
     ("packing_text_windows", ["data.packing=true"], "data.packing: applies to samples (data.format=chat or instruction)"),

@@ -112,7 +112,7 @@ def test_cli_error_is_one_line_exit_2_without_traceback():
 def test_a_model_owns_its_keys_and_rules(capsys):
     cfg, _ = load_config(["--config", "configs/seed_mlp.yaml", "model.n_embd=130"])  # GPT's key and rule, not the MLP's
     assert type(cfg.model).__name__ == "MLPConfig" and not hasattr(cfg.model, "n_embd")
-    assert "notice: ignoring model.n_embd (a key of model.name=gpt): not a key of model.name=mlp" in capsys.readouterr().err
+    assert "notice: ignoring model.n_embd (a key of model.name=gpt, not of model.name=mlp)" in capsys.readouterr().err
     with pytest.raises(UserError, match=r"unknown config key 'model.hiden': model.name=mlp has block_size, hidden, in_features"):
         load_config(["model.name=mlp", "model.hiden=3"])
     # model.name may come after the model's keys: it decides which keys model.* has

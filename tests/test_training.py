@@ -135,7 +135,7 @@ def test_seed_mlp_example_on_two_processes(tmp_path):
     assert losses[20] < losses[10]
     assert "2 processes (MULTI_CPU" in r.output and "engine: data parallel" in r.output
     assert f"config configs/seed_mlp.yaml + {tmp_path / 'two_processes.yaml'} |" in r.output
-    assert r.stderr.count("notice: ignoring model.n_embd (a key of model.name=gpt)") == 1
+    assert r.stderr.count("notice: ignoring model.n_embd (a key of model.name=gpt, not of model.name=mlp)") == 1
 
 
 def test_bf16_and_fp16_train_and_an_fp16_overflow_is_the_scalers_not_a_fault(tmp_path):

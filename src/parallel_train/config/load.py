@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from parallel_train.config import usage
 from parallel_train.config.fields import check, check_section, coerce, fields_of, hints, key_name, type_name
 from parallel_train.config.model import ModelConfig
 from parallel_train.config.sections import REPO_ROOT, Config
@@ -44,7 +45,7 @@ def _set(cfg: Config, key: str, value: Any, ignored: list[str] | None = None) ->
                 f"{key}: a key of model.name={owner} only ({why}), not of model.name={cfg.model.name}; drop it or use model.name={owner}"
             )
         if owner is not None and ignored is not None:  # e.g. model.n_embd for the MLP: not its key, harmless
-            ignored.append(f"{key} (a key of model.name={owner})")
+            ignored.append(f"{key} (a key of model.name={owner}, not of model.name={cfg.model.name})")
             return
         if owner is not None:  # a saved config from before models owned their keys held every model's keys
             return
@@ -179,8 +180,10 @@ def load_config(argv: list[str]) -> tuple[Config, str | None]:
     ignored: list[str] = []
     cfg = _apply(settings + overrides, ignored)
     validate(cfg)
+    # Only the keys the user set: a default is never news, and a saved config (config_from_dict) is never checked.
+    ignored += usage.unread(cfg, [key for key, _ in settings + overrides])
     if ignored and is_first_process():
-        print(f"notice: ignoring {', '.join(ignored)}: not a key of model.name={cfg.model.name}", file=sys.stderr, flush=True)
+        print(f"notice: ignoring {', '.join(ignored)}: this run does not read them", file=sys.stderr, flush=True)
     return cfg, " + ".join(config_paths) or None
 
 
@@ -217,11 +220,6 @@ def validate(cfg: Config) -> None:
             "so its samples would attend to each other; set data.packing=false, or see models/gpt.py",
         )
         check(p.tp == 1, f"data.packing with parallel.tp={p.tp}: not supported here; use parallel.dp_shard, or data.packing=false")
-    check(
-        d.format != "text" or not (d.packing or d.chat_template),
-        f"data.{'packing' if d.packing else 'chat_template'}: applies to samples (data.format=chat or instruction), not to "
-        "windows of text (data.format=text), which are full already",
-    )
     check(t.min_lr <= t.learning_rate, f"train.min_lr ({t.min_lr}) must not exceed train.learning_rate ({t.learning_rate})")
     check(
         not p.stage_devices or len(p.stage_devices) == p.pipeline_stages,

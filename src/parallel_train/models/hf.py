@@ -36,7 +36,7 @@ from torch import nn
 from parallel_train.config.fields import check, opt
 from parallel_train.config.model import ModelConfig
 from parallel_train.errors import UserError
-from parallel_train.models import hf_export, hf_layouts, hf_loading, hf_lora, hf_tensor_parallel
+from parallel_train.models import hf_export, hf_init, hf_layouts, hf_loading, hf_lora, hf_tensor_parallel
 from parallel_train.models.activation_checkpoint import Checkpointing, check_option, mode_field, option_field
 from parallel_train.models.ties import find_ties, with_aliases
 
@@ -88,7 +88,7 @@ class HFCausalLM(nn.Module):
         super().__init__()
         config = hf_loading.load_config(cfg.hf_path)
         hf_loading.check_causal_lm(config, cfg.hf_path)
-        hf_loading.check_sizes(config, cfg.hf_path, vocab_size, cfg.block_size)
+        hf_loading.check_sizes(config, cfg.hf_path, vocab_size, cfg.block_size, cfg.vocab_size)
         hf = hf_loading.build_causal_lm(config, cfg.hf_path, cfg.dtype, cfg.attn_implementation)
         # Weights whose first values are another's in the files (an untied lm_head starts as the embedding).
         self.__dict__["weight_aliases"] = {}
@@ -122,6 +122,8 @@ class HFCausalLM(nn.Module):
             self._register_parts()  # a targeted child of the model itself (lm_head) is a new module now
             self.lora = True
             self.lora_base = hf_lora.base_identity(cfg.hf_path)
+        # Taken now, before any split or shard: the parents whose rules reach into a module's parameters (hf_init.py).
+        self.__dict__["init_tree"] = hf_init.InitTree(hf)
 
     def _register_parts(self) -> None:
         """The transformers model is not a submodule: its children are, under their own names (so parameter
@@ -139,12 +141,13 @@ class HFCausalLM(nn.Module):
         return hf_loading.weight_files(self.hf_path) if self.pretrained else None
 
     def init_weights(self, name: str, module: nn.Module) -> None:
-        """transformers' own initialisation of one module (its `_init_weights`), for random weights and for what the
-        weight files lack (rotary tables and other non-persistent buffers); peft's own for a LoRA matrix."""
+        """transformers' own initialisation of one module, as from_config gives it (its own rule and its parents',
+        hf_init.py), for random weights and for what the weight files lack (rotary tables and other non-persistent
+        buffers); peft's own for a LoRA matrix."""
         if hf_lora.is_adapter_module(name):
             hf_lora.init_adapter(name, module)
         else:
-            self.hf._init_weights(module)
+            self.init_tree.apply(name, module)
 
     def _load_pretrained(self) -> None:
         from safetensors.torch import load_file

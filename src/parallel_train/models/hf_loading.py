@@ -116,9 +116,15 @@ def max_positions(config: Any) -> int | None:
     return getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
 
 
-def check_sizes(config: Any, hf_path: str, vocab_size: int, block_size: int) -> None:
-    """The tokenizer's ids must fit the embedding, and the context must fit the position table."""
+def check_sizes(config: Any, hf_path: str, vocab_size: int, block_size: int, asked_vocab: int = 0) -> None:
+    """The tokenizer's ids must fit the embedding, and the context must fit the position table. `asked_vocab`:
+    model.vocab_size, which pads a vocabulary the template sizes (GPT) but cannot grow a Hugging Face embedding."""
     rows = embedding_rows(config)
+    if asked_vocab > rows:
+        raise UserError(
+            f"model.vocab_size={asked_vocab} exceeds the {rows} embedding rows of model.hf_path {hf_path!r}, whose vocabulary is "
+            f"its config.json's; drop model.vocab_size (or set at most {rows})"
+        )
     if vocab_size > rows:
         raise UserError(
             f"the tokenizer has {vocab_size} ids but model.hf_path {hf_path!r} embeds only {rows}; "

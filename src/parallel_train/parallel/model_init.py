@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from parallel_train.models.meta_copy import meta_copy  # childless: what `initialise` fills on the CPU later
 from parallel_train.models.ties import find_ties, keep_identity
 
 InitRule = Callable[[str, nn.Module], None]
@@ -66,20 +67,6 @@ def local_view(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _template(module: nn.Module) -> nn.Module:
-    """A childless copy of `module` with meta copies of its own tensors: what `init` fills on the CPU later,
-    whatever splitting and sharding do to the module itself."""
-    twin = copy.copy(module)
-    twin.__dict__ = dict(module.__dict__)
-    twin._modules = {}
-    twin._parameters = {
-        n: (None if p is None else nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)) for n, p in module._parameters.items()
-    }
-    twin._buffers = {n: (None if b is None else torch.empty_like(b, device="meta")) for n, b in module._buffers.items()}
-    twin._forward_hooks, twin._forward_pre_hooks = {}, {}
-    return twin
-
-
 def default_rule(name: str, module: nn.Module) -> None:
     module.reset_parameters()
 
@@ -96,7 +83,7 @@ class Initializer:
         self.seed = seed
         self.rule: InitRule = getattr(model, "init_weights", None) or default_rule
         self.ties = find_ties(model)  # {alias: owner}: an alias is filled by its owner's rule (models/ties.py)
-        self.templates = {name: _template(m) for name, m in model.named_modules() if any(True for _ in own_tensors(m))}
+        self.templates = {name: meta_copy(m) for name, m in model.named_modules() if any(True for _ in own_tensors(m))}
         # Real buffers (built on the CPU: rotary tables, causal masks) keep the values they were built with.
         self.buffers = {
             (name, n): b.detach().clone()

@@ -22,6 +22,7 @@ import yaml
 
 from parallel_train.config.load import flatten  # {"train": {"lr": 1}} -> {"train.lr": 1}, as configs are read
 from parallel_train.config.sections import Config
+from parallel_train.config.usage import is_read
 from parallel_train.errors import UserError
 
 SCHEDULE = (
@@ -91,7 +92,9 @@ def config_changes(checkpoint: Path, cfg: Config) -> dict[str, tuple[Any, Any]]:
     if saved is None:
         return {}
     now = flatten(cfg.to_dict())
-    changed = {k: (saved[k], now[k]) for k in sorted(now.keys() & saved.keys()) if saved[k] != now[k]}
+    # A key this run does not read (config/usage.py: train.weight_decay under SGD) defines nothing; the key that
+    # decides whether it is read (train.optimizer) is compared itself.
+    changed = {k: (saved[k], now[k]) for k in sorted(now.keys() & saved.keys()) if saved[k] != now[k] and is_read(cfg, k)}
     refused = [k for k in changed if not may_change(k)]
     if refused:
         what = ", ".join(f"{k} ({changed[k][0]!r} in the checkpoint, {changed[k][1]!r} now)" for k in refused)

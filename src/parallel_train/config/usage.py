@@ -1,0 +1,151 @@
+"""Which keys each choice reads: one row per key that only some choices (data format, model, optimizer, schedule,
+mesh...) read, so that a key the user set is never dropped without a word.
+
+`load_config` asks `unread(cfg, keys)` about the keys the user set (YAML files and overrides, never defaults, never
+a saved config) whose value is not the default: each one whose row says the run does not read it is listed in ONE
+start notice, or refused in one line where the row says ignoring it would train something else than the user
+clearly asked for. A key set to its default changes nothing, read or not (a saved config.yaml given as --config
+lists them all). Keys of another model (model.<key> of model.name=gpt given with model.name=mlp) join the same notice
+(config/load.py). A new key that only some choices read is one more row here; docs/configuration.md lists the table
+(a test keeps the two equal).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from parallel_train.config.fields import fields_of
+from parallel_train.errors import UserError
+
+SAMPLES = "data.format=chat or instruction"
+FULL_WINDOWS = f"applies to samples ({SAMPLES}), not to windows of text (data.format=text), which are full already"
+
+
+@dataclass(frozen=True)
+class Row:
+    key: str  # section.key, as the user writes it
+    when: str  # the choice under which the key is read, as the notice names it
+    reads: Callable[[Any], bool]  # Config -> whether this run reads the key
+    refuse: str = ""  # non-empty: a value other than the default, unread, is an error; this says why and what to do
+
+
+def _text_source(c: Any) -> bool:
+    """The built-in `text` source: a custom data.source reads whatever data.* keys it likes."""
+    return c.data.source == "text"
+
+
+def _tokens(c: Any) -> bool:
+    """Data that is tokenized: not random features, not synthetic ids."""
+    return c.data.path not in ("random", "synthetic")
+
+
+def _prepared(c: Any) -> bool:
+    from parallel_train.data.prepared import is_prepared  # the same floor; imported late: it brings numpy and torch
+
+    return is_prepared(c.data.path)
+
+
+def _pipeline(c: Any) -> bool:
+    return c.parallel.pipeline_stages > 1
+
+
+ROWS: tuple[Row, ...] = (
+    Row(
+        "data.chat_template",
+        SAMPLES,
+        lambda c: c.data.format != "text",  # whatever the source: refused as before the table
+        refuse=FULL_WINDOWS,
+    ),
+    Row(
+        "data.packing",
+        SAMPLES,
+        lambda c: c.data.format != "text",  # whatever the source: refused as before the table
+        refuse=FULL_WINDOWS,
+    ),
+    Row("data.truncate", SAMPLES, lambda c: not _text_source(c) or c.data.format != "text"),
+    Row("data.messages_column", "data.format=chat", lambda c: not _text_source(c) or c.data.format == "chat"),
+    Row("data.prompt_column", "data.format=instruction", lambda c: not _text_source(c) or c.data.format == "instruction"),
+    Row("data.completion_column", "data.format=instruction", lambda c: not _text_source(c) or c.data.format == "instruction"),
+    Row(
+        "data.text_column",
+        "data.format=text from a json/jsonl/csv/parquet file, a folder of them or a Hub dataset",
+        lambda c: not _text_source(c) or (c.data.format == "text" and _tokens(c) and not c.data.path.endswith(".txt") and not _prepared(c)),
+    ),
+    Row(
+        "data.tokenizer",
+        "tokenized data (not data.path=random or synthetic; prepared data brings its own)",
+        lambda c: not _text_source(c) or (_tokens(c) and not _prepared(c)),
+    ),
+    Row("data.num_samples", "data.path=random or synthetic", lambda c: not _text_source(c) or not _tokens(c)),
+    Row("data.synthetic_padding", "data.path=synthetic", lambda c: not _text_source(c) or c.data.path == "synthetic"),
+    Row("data.verify", "a data.path folder written by scripts/prepare_data.py", lambda c: not _text_source(c) or _prepared(c)),
+    Row(
+        "model.vocab_size",
+        "model.name=gpt, or data.path=synthetic (model.name=hf: the embedding is its config.json's)",
+        lambda c: c.model.name not in ("hf", "mlp") or c.data.path == "synthetic",
+    ),
+    Row("model.lora_alpha", "model.lora_rank > 0", lambda c: getattr(c.model, "lora_rank", 0) > 0),
+    Row("model.lora_dropout", "model.lora_rank > 0", lambda c: getattr(c.model, "lora_rank", 0) > 0),
+    Row("model.lora_targets", "model.lora_rank > 0", lambda c: getattr(c.model, "lora_rank", 0) > 0),
+    Row("train.beta1", "train.optimizer=adamw", lambda c: c.train.optimizer == "adamw"),
+    Row("train.beta2", "train.optimizer=adamw", lambda c: c.train.optimizer == "adamw"),
+    Row("train.weight_decay", "train.optimizer=adamw", lambda c: c.train.optimizer == "adamw"),
+    Row("train.warmup_steps", "train.lr_schedule=cosine", lambda c: c.train.lr_schedule == "cosine"),
+    Row("train.min_lr", "train.lr_schedule=cosine", lambda c: c.train.lr_schedule == "cosine"),
+    Row("train.lr_decay_steps", "train.lr_schedule=cosine", lambda c: c.train.lr_schedule == "cosine"),
+    Row("parallel.microbatches", "parallel.pipeline_stages > 1", _pipeline),
+    Row("parallel.schedule", "parallel.pipeline_stages > 1", _pipeline),
+    Row("parallel.split", "parallel.pipeline_stages > 1", _pipeline),
+    Row(
+        "parallel.stages_per_rank",
+        "parallel.pipeline_stages > 1 with parallel.schedule=interleaved1f1b or interleavedzb",
+        lambda c: _pipeline(c) and c.parallel.schedule in ("interleaved1f1b", "interleavedzb"),
+    ),
+)
+# Not here: parallel.reduce_every_microstep (FSDP2 only), as an FSDP launch config may shard with parallel.dp_shard=1
+# (parallel/mesh.py): the config alone does not know.
+BY_KEY = {row.key: row for row in ROWS}
+
+
+def _value(cfg: Any, key: str) -> tuple[bool, Any, Any]:
+    """(whether this config has `key`, its value, its default in its section's class)."""
+    section, parts = cfg, key.split(".")
+    for part in parts[:-1]:
+        section = getattr(section, fields_of(section)[part].name)
+    fields = fields_of(section)
+    if parts[-1] not in fields:
+        return False, None, None
+    name = fields[parts[-1]].name
+    return True, getattr(section, name), getattr(type(section)(), name)
+
+
+def is_read(cfg: Any, key: str) -> bool:
+    """Whether a run of `cfg` reads `key` (keys no row names are read by every run)."""
+    row = BY_KEY.get(key)
+    return row is None or row.reads(cfg)
+
+
+def unread(cfg: Any, keys: list[str]) -> list[str]:
+    """The keys among `keys` (the ones the user set) that this run does not read, as notice items ("key (read only
+    with ...)"); raises UserError for one the row refuses when set to a value other than its default."""
+    items = []
+    for key in dict.fromkeys(keys):
+        row = BY_KEY.get(key)
+        if row is None or row.reads(cfg):
+            continue
+        present, value, default = _value(cfg, key)
+        if not present or value == default:  # another model's key (config/load.py lists it); a default changes nothing
+            continue
+        if row.refuse:
+            raise UserError(f"{key}: {row.refuse}")
+        items.append(f"{key} (read only with {row.when})")
+    return items
+
+
+def table_markdown() -> str:
+    """The table as docs/configuration.md shows it."""
+    lines = ["| key | read only with | set where it is not read |", "|---|---|---|"]
+    lines += [f"| `{r.key}` | {r.when} | {'refused' if r.refuse else 'notice'} |" for r in ROWS]
+    return "\n".join(lines)
