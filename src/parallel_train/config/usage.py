@@ -20,6 +20,7 @@ from parallel_train.config.fields import fields_of
 from parallel_train.errors import UserError
 
 SAMPLES = "data.format=chat or instruction"
+DECAYING = "train.lr_schedule=cosine, linear or wsd"
 FULL_WINDOWS = f"applies to samples ({SAMPLES}), not to windows of text (data.format=text), which are full already"
 
 
@@ -92,9 +93,16 @@ ROWS: tuple[Row, ...] = (
     Row("train.beta1", "train.optimizer=adamw", lambda c: c.train.optimizer == "adamw"),
     Row("train.beta2", "train.optimizer=adamw", lambda c: c.train.optimizer == "adamw"),
     Row("train.weight_decay", "train.optimizer=adamw", lambda c: c.train.optimizer == "adamw"),
-    Row("train.warmup_steps", "train.lr_schedule=cosine", lambda c: c.train.lr_schedule == "cosine"),
-    Row("train.min_lr", "train.lr_schedule=cosine", lambda c: c.train.lr_schedule == "cosine"),
-    Row("train.lr_decay_steps", "train.lr_schedule=cosine", lambda c: c.train.lr_schedule == "cosine"),
+    Row("train.weight_decay_params", "train.optimizer=adamw", lambda c: c.train.optimizer == "adamw"),
+    Row("train.warmup_steps", DECAYING, lambda c: c.train.lr_schedule != "constant"),
+    Row("train.min_lr", DECAYING, lambda c: c.train.lr_schedule != "constant"),
+    Row("train.lr_decay_steps", DECAYING, lambda c: c.train.lr_schedule != "constant"),
+    Row("train.lr_decay_fraction", "train.lr_schedule=wsd", lambda c: c.train.lr_schedule == "wsd"),
+    Row(
+        "model.selective_ac",
+        "model.activation_checkpointing=selective",
+        lambda c: getattr(c.model, "activation_checkpointing", "none") == "selective",
+    ),
     Row("parallel.microbatches", "parallel.pipeline_stages > 1", _pipeline),
     Row("parallel.schedule", "parallel.pipeline_stages > 1", _pipeline),
     Row("parallel.split", "parallel.pipeline_stages > 1", _pipeline),
