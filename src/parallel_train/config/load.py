@@ -177,6 +177,7 @@ def load_config(argv: list[str]) -> tuple[Config, str | None]:
     ignored: list[str] = []
     cfg = _apply(settings + overrides, ignored)
     validate(cfg)
+    cfg.model.check_given({key for key, _ in settings + overrides})  # keys set that mean nothing alone (models/hf.py)
     if ignored and is_first_process():
         print(f"notice: ignoring {', '.join(ignored)}: not a key of model.name={cfg.model.name}", file=sys.stderr, flush=True)
     return cfg, " + ".join(config_paths) or None

@@ -25,6 +25,10 @@ class ModelConfig:
     def check(self) -> None:
         """Rules between this model's keys (ranges are checked from the fields): raise UserError naming the key."""
 
+    def check_given(self, given: set[str]) -> None:
+        """Rules on the keys the user set (`given`: every key named in a YAML file or an override, e.g.
+        "model.lora_alpha"), for a key that does nothing unless another is set too: raise UserError naming it."""
+
     def own_tokenizer(self) -> str | None:
         """The tokenizer this model comes with, which data.tokenizer defaults to when not set (None: the data's own
         default). A pretrained model's token ids mean nothing with any other tokenizer."""

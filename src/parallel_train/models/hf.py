@@ -76,6 +76,15 @@ class HFConfig(ModelConfig):
             "model.lora_rank: LoRA adapts pretrained weights, which checkpoints do not hold; keep model.hf_pretrained=true",
         )
 
+    def check_given(self, given: set[str]) -> None:
+        # Without lora_rank these keys change nothing and every weight trains: a full fine-tune the user did not ask for.
+        lora_only = [key for key in ("model.lora_alpha", "model.lora_dropout", "model.lora_targets") if key in given]
+        check(
+            self.lora_rank or not lora_only,
+            f"{lora_only[0] if lora_only else ''}: set, but model.lora_rank=0, so no adapters are made and every weight would "
+            f"train (a full fine-tune); set model.lora_rank=R (e.g. 8) for LoRA, or drop {', '.join(lora_only)}",
+        )
+
     def own_tokenizer(self) -> str | None:
         return self.hf_path  # its folder's tokenizer.json (or the Hub repository's)
 
