@@ -230,8 +230,17 @@ def snapshot(folder: Path) -> dict[str, tuple[int, int, str]]:
     }
 
 
+def strict_json(text: str):
+    """json.loads that refuses NaN and Infinity, as JSON itself does (Python's reader would take them)."""
+
+    def refuse(token: str):
+        raise ValueError(f"{token} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
 def read_metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [strict_json(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
 def train_losses(out: Path) -> dict[int, float]:
@@ -239,7 +248,7 @@ def train_losses(out: Path) -> dict[int, float]:
 
 
 def summary(out: Path) -> dict:
-    return json.loads((out / "summary.json").read_text())
+    return strict_json((out / "summary.json").read_text())
 
 
 def doc_lines(page: str) -> list[str]:

@@ -95,6 +95,14 @@ def env(tmp_path_factory):
     (f / "no_messages.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [rows[0], {"messages": None}, *rows[1:]]))
     robot = {"messages": [{"role": "robot", "content": "beep"}, {"role": "assistant", "content": "boop"}]}
     (f / "robot.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [robot, *rows]))
+    # Nothing to learn (issue 26): no assistant turn; empty answers under a template that marks the answer's text alone.
+    (f / "no_answers.jsonl").write_text("".join(json.dumps({"messages": r["messages"][:2]}) + "\n" for r in rows))
+    empty = [{"messages": [*r["messages"][:2], {"role": "assistant", "content": ""}]} for r in rows]
+    (f / "empty_answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in empty))
+    marked = "{% generation %}{{ m['content'] + '<|im_end|>' + '\n' }}{% endgeneration %}"
+    assert marked in hf_tiny.CHAT_TEMPLATE_MARKED
+    content_only = "{% generation %}{{ m['content'] }}{% endgeneration %}{{ '<|im_end|>' + '\n' }}"
+    (f / "content_only.jinja").write_text(hf_tiny.CHAT_TEMPLATE_MARKED.replace(marked, content_only))
     return {"tmp": tmp, "run": run_dir, "files": f}
 
 
@@ -222,6 +230,31 @@ CASES = [
         ["model.vocab_size=10", "resume=none", "output_dir={files}/new_out"],
         "model.vocab_size=10 is smaller than the tokenizer's 65 ids; set model.vocab_size=0",
     ),
+    (
+        "chat_without_an_assistant_turn",
+        [*CHAT, "data.path={files}/no_answers.jsonl"],
+        "no_answers.jsonl' has nothing to learn in its train split (7 samples): no row has an assistant turn",
+    ),
+    (
+        "chat_every_answer_empty",
+        [*CHAT, "data.path={files}/empty_answers.jsonl", "data.chat_template={files}/content_only.jinja"],
+        "empty_answers.jsonl' has nothing to learn in its train split (7 samples): every answer is empty",
+    ),
+    (
+        "chat_answers_truncated_away",
+        [*CHAT, "data.path={files}/chats.jsonl", "data.truncate=true", "model.block_size=8"],
+        "chats.jsonl' has nothing to learn in its train split (7 samples): data.truncate=true cut every answer away",
+    ),
+    (
+        "lora_targets_only_embeddings",
+        [*CHAT, "data.path={files}/chats.jsonl", "data.truncate=true", "model.lora_rank=8", "model.lora_targets=[embed_tokens]"],
+        "model.lora_targets=['embed_tokens'] matched model.embed_tokens (Embedding); LoRA here adapts Linear layers",
+    ),
+    (
+        "lora_alpha_without_rank",
+        [*CHAT, "data.path={files}/chats.jsonl", "model.lora_alpha=32"],
+        "model.lora_alpha: set, but model.lora_rank=0, so no adapters are made and every weight would train",
+    ),
     ("lora_with_gpt", ["model.lora_rank=8"], "model.lora_rank: a key of model.name=hf only (LoRA adapts a pretrained Hugging Face model)"),
     ("packing_text_windows", ["data.packing=true"], "data.packing: applies to samples (data.format=chat or instruction)"),
     (
@@ -264,6 +297,12 @@ def test_bad_input(env, results, case_id, expected):
     assert_one_line_error(outcome[case_id]["returncode"], outcome[case_id]["output"], expected)
     assert outcome[case_id]["snapshot"] == before
     assert not list(env["tmp"].glob("pwned_*")), "a checkpoint executed code"
+
+
+def test_chat_errors_leave_no_file_in_their_output_dir(env, results):
+    """The chat cases' own output_dir: every one stopped before the run wrote a file there (data and model are read
+    before config.yaml, metrics.jsonl or a checkpoint; the lock is removed on the way out)."""
+    assert not [p for p in (env["files"] / "chat_out").rglob("*") if p.is_file()]
 
 
 def test_a_launch_of_train_py_says_the_same(env):

@@ -33,6 +33,8 @@ from pathlib import Path
 
 from common import DOC, REPO, free_port, update_docs
 
+from parallel_train.checkpoint.json_text import json_text  # JSON without NaN (null instead)
+
 PYTHON = sys.executable
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 BASELINE = "configs/shakespeare_char_cpu.yaml"
@@ -393,7 +395,7 @@ def main() -> None:
             for c in selected
         ],
     }
-    (out / "benchmark.json").write_text(json.dumps(result, indent=1))
+    (out / "benchmark.json").write_text(json_text(result, indent=1))
     (out / "benchmark.md").write_text(table)
     print(
         "\n" + table + f"\n{len(selected)} cells x {args.repeats} repeats in {result['total_s']:.0f} s; "

@@ -42,6 +42,8 @@ from pathlib import Path
 
 from common import REPO, update_docs
 
+from parallel_train.checkpoint.json_text import json_text  # JSON without NaN (null instead)
+
 DOC_START, DOC_END = "<!-- bench_checkpoint:start -->", "<!-- bench_checkpoint:end -->"
 MODES = ("gathered", "sharded", "async")
 SHARDINGS = {"ddp": "DDP (replicated)", "fsdp": "FSDP2 (sharded)"}
@@ -173,7 +175,7 @@ def worker(args: argparse.Namespace) -> None:
             "state_mb": state_bytes / 2**20,
             "ranks": parts,
         }
-        Path(args.json).write_text(json.dumps(result))
+        Path(args.json).write_text(json_text(result))
     # Free the sharded model before the process group goes: left to interpreter shutdown, FSDP2's state on gloo
     # aborts the process now and then ("terminate called without an active exception", tests/fsdp_worker.py).
     del model, optimizer, saver
@@ -294,7 +296,7 @@ def main() -> None:
     for interval, background in () if args.no_train_py else ((1, False), (1, True), (2, False), (2, True)):
         runs.append(train_py(background, interval, args, args.out))
         print(f"train.py checkpoint.async={background} checkpoint.interval={interval} done", flush=True)
-    (args.out / "bench_checkpoint.json").write_text(json.dumps(runs, indent=1))
+    (args.out / "bench_checkpoint.json").write_text(json_text(runs, indent=1))
     text = table(runs, args) + f"\n\nCommand: `python scripts/bench/checkpoint.py{' ' + ' '.join(sys.argv[1:]) if sys.argv[1:] else ''}`."
     (args.out / "bench_checkpoint.md").write_text(text + "\n")
     print(text)

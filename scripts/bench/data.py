@@ -37,6 +37,8 @@ from pathlib import Path
 
 from common import DOC, REPO, update_docs
 
+from parallel_train.checkpoint.json_text import json_text  # JSON without NaN (null instead)
+
 PYTHON = sys.executable
 DOC_START, DOC_END = "<!-- bench_data:start -->", "<!-- bench_data:end -->"
 STEPS5 = ("train.max_steps=5", "eval.iters=10", "checkpoint.interval=0", "tracker=none", "resume=none", "train.log_interval=5")
@@ -373,7 +375,7 @@ def main() -> None:
         if "datatime" in tables:
             results["datatime"] = datatime_table(args.work)
     finally:
-        (args.work / "bench_data.json").write_text(json.dumps(results, indent=1))
+        (args.work / "bench_data.json").write_text(json_text(results, indent=1))
         if not args.keep:
             for p in args.work.iterdir():
                 if p.name != "bench_data.json":

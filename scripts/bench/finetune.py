@@ -36,6 +36,8 @@ from pathlib import Path
 
 from common import REPO, update_docs  # scripts/bench/common.py: the benchmarks' shared part (puts REPO/src on sys.path)
 
+from parallel_train.checkpoint.json_text import json_text  # JSON without NaN (null instead)
+
 PYTHON = sys.executable
 DOC_START, DOC_END = "<!-- bench_finetune:start -->", "<!-- bench_finetune:end -->"
 CELLS = {  # name: (what, keys)
@@ -180,7 +182,7 @@ def main() -> None:
             print(name, f"{pair['long']['cpu_s'] - pair['short']['cpu_s']:.1f} CPU-s for {args.long - args.short} steps", flush=True)
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     saved = {"results": results, "counts": counts, "when": when, "short": args.short, "long": args.long, "repeats": args.repeats}
-    record.write_text(json.dumps(saved, indent=1))
+    record.write_text(json_text(saved, indent=1))
     report(table(saved), args.update_docs)
 
 

@@ -5,6 +5,7 @@ The house, by floor (lower floors never import higher ones: tests/test_structure
     0  errors, faults, losses, eval_metrics     one-line errors, test-only faults, the loss and the metrics you edit
        config/fields, config/model              how a key is declared; the keys every model has
        parallel/collectives, models/ties        small agreements between ranks; tied weights found in any model
+       checkpoint/json_text                     every JSON file written without NaN or Infinity (null instead)
     1  models/                                  the models and their registry
     2  config/, data/, optim                    the run's keys; what feeds the model; optimizer and schedule
     3  checkpoint/, observe/, run/              checkpoints and exports; what a run shows; the run's folder

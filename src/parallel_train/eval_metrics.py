@@ -14,6 +14,7 @@ comes out the same on 1 process as on 64.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,7 +26,7 @@ from parallel_train.losses import IGNORE_INDEX, token_losses
 @dataclass(frozen=True)
 class Metric:
     stats: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> (batch, K)
-    value: Callable[[list[float]], float]  # the K totals -> the reported number
+    value: Callable[[list[float]], float | None]  # the K totals -> the reported number (None: not measured)
 
 
 def loss_stats(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -42,8 +43,9 @@ def accuracy_stats(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.stack([correct.sum(dim=1), real.sum(dim=1)], dim=1)
 
 
-def ratio(totals: list[float]) -> float:
-    return totals[0] / totals[1] if totals[1] else float("nan")
+def ratio(totals: list[float]) -> float | None:
+    """None when nothing was counted (validation batches with no token to learn): not measured, written as null."""
+    return totals[0] / totals[1] if totals[1] else None
 
 
 METRICS: dict[str, Metric] = {
@@ -68,6 +70,8 @@ def add_stats(totals: dict[str, torch.Tensor] | None, stats: dict[str, torch.Ten
     return add_totals(totals, {name: s.sum(dim=0) for name, s in stats.items()})
 
 
-def metric_values(totals: dict[str, torch.Tensor]) -> dict[str, float]:
-    """The metrics from their statistics summed over the validation set."""
-    return {name: float(METRICS[name].value(totals[name].tolist())) for name in METRICS}
+def metric_values(totals: dict[str, torch.Tensor]) -> dict[str, float | None]:
+    """The metrics from their statistics summed over the validation set. None where a metric was not measured: its
+    value is None or not finite (a ratio over nothing; JSON has no NaN, so metrics.jsonl says null)."""
+    values = {name: METRICS[name].value(totals[name].tolist()) for name in METRICS}
+    return {name: float(v) if v is not None and math.isfinite(v) else None for name, v in values.items()}

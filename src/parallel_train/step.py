@@ -10,6 +10,13 @@
     guard, update      a non-finite loss or gradient: guards.py skips or stops; an fp16 overflow: the scaler
                        skips the update and lowers its scale, and the run goes on
 
+A step with no target to learn on any rank (chat samples whose answers data.truncate cut away, all of them in this
+step's batch) is skipped whole: no forward, no backward, no update, since a step over nothing has no gradient and
+an update would still move the weights (weight decay, momentum). It is counted (`skipped_empty`: the train log
+record and summary.json's `skipped_empty_steps`), its loss is None (null in metrics.jsonl), and it still counts as
+a step: the learning-rate schedule and the data order are functions of the step number and go on, as they do for a
+non-finite step the guard skips. Every rank takes the same decision: the count is summed over all ranks.
+
 Why dp_size / count: every engine's gradient sync (DDP, FSDP2, the pipeline's replicas) AVERAGES over the
 data-parallel ranks; multiplying each rank's loss by dp_size first turns that average into the sum over ranks,
 so the gradient is that of (sum of every valid token's loss in the step) / (their number): the per-token mean of
@@ -38,6 +45,7 @@ class StepResult:
     loss_sum: torch.Tensor  # this rank's summed token loss of the step (device tensor; zero where it holds no loss)
     count: torch.Tensor  # valid targets of the whole step, all ranks: the loss's denominator
     tokens: int  # tokens this rank read (throughput)
+    empty: bool = False  # no target to learn on any rank: skipped (no forward, backward or update)
 
 
 class Stepper:
@@ -48,17 +56,26 @@ class Stepper:
         self.every_target_counts = every_target_counts  # the data has no IGNORE_INDEX targets: count = numel
         self.world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         self.skipped_by_scaler = 0  # fp16 steps whose update the loss scaler skipped (an overflow)
+        self.skipped_empty = 0  # steps with no target to learn on any rank, skipped whole
 
     def step(self, batches: Iterator[Batch]) -> StepResult:
         engine = self.engine
         micro = [next(batches) for _ in range(self.cfg.gradient_accumulation_steps)]
         count = self.count(micro)
+        tokens = sum(targets(b).numel() for b in micro)
+        # Only data with ignored targets can have a step with none to learn. Reading the count is a host sync, on
+        # that path only (windows of text, where every target counts, never pay it); the count was all-reduced
+        # already, so every rank skips alike. Issue 27 (no host sync in the step) may defer this test to the
+        # update, as the guard's skip does.
+        if not self.every_target_counts and not int(count):
+            self.skipped_empty += 1
+            return StepResult(torch.zeros((), device=engine.device), count, 0, empty=True)  # nothing trained: no tokens/s
         scale = engine.dp_size / count.clamp(min=1).to(torch.float32)  # a tensor: no host sync
         loss_sum = engine.forward_backward(micro, scale, self.precision)
         grad_norm = self._unscale_and_clip()
         self._update(loss_sum, grad_norm)
         engine.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss_sum, count, sum(targets(b).numel() for b in micro))
+        return StepResult(loss_sum, count, tokens)
 
     def count(self, micro: list[Batch]) -> torch.Tensor:
         """Valid targets of the step over every data-parallel rank, on the engine's device."""

@@ -12,9 +12,9 @@ for every engine. What a checkpoint stores besides tensors is `self.state` (chec
 
 from __future__ import annotations
 
-import json
 import resource
 import time
+import warnings
 
 import torch
 import yaml
@@ -24,6 +24,7 @@ from parallel_train import faults
 from parallel_train.checkpoint import checkpointer
 from parallel_train.checkpoint.disk import write_atomic, write_error
 from parallel_train.checkpoint.export import checkpoint_weights, export, load_weights
+from parallel_train.checkpoint.json_text import json_text
 from parallel_train.checkpoint.named_state import torch_optimizer
 from parallel_train.checkpoint.train_state import TrainingState
 from parallel_train.config.sections import Config
@@ -189,7 +190,7 @@ class Trainer:
         # guards.py: stop signals, non-finite loss/gradients, the stop step all ranks agree on
         self.guard = RunGuard(self.accelerator, self.cfg.train.max_skipped_steps, self.cfg.parallel.timeout_s, self.state.skipped_steps)
         self.stepper = Stepper(self.engine, self.precision, self.cfg.train, self.data.all_targets_count, self.guard.update_allowed)
-        self.stepper.skipped_by_scaler = self.state.scaler_skipped_steps
+        self.stepper.skipped_by_scaler, self.stepper.skipped_empty = self.state.scaler_skipped_steps, self.state.skipped_empty_steps
         # Test-only fault injection, one hook called after every step: a no-op unless PARALLEL_TRAIN_FAULT is set.
         self.fault_hook = faults.step_hook(self.engine.model, lambda: self.guard.step)
 
@@ -277,7 +278,14 @@ class Trainer:
         """One optimizer step (step.py; the engine runs the micro-batches). Returns its losses (device tensors) and the step."""
         self.guard.begin_step(self.state.step + 1)
         result = self.stepper.step(self.batches)
-        self.scheduler.step()
+        if result.empty and self.stepper.skipped_empty == 1:  # the first one says what it is; the rest are counted
+            say(
+                f"notice: step {self.state.step + 1} has no token to learn on any rank: skipped (no update); counted in skipped_empty_steps"
+            )
+        with warnings.catch_warnings():  # a skipped step is still a step of the schedule (step.py)
+            if result.empty:  # torch's warning of a schedule stepped before its optimizer: here that is the plan
+                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler")
+            self.scheduler.step()
         self.state.step += 1
         self.fault_hook(self.state.step)
         self.speed.add(result.tokens * self.engine.dp_size)
@@ -294,8 +302,10 @@ class Trainer:
 
     def log(self, result: StepResult, lr: float) -> None:
         """The train record of this interval. The only host-device sync of the step, and only on log steps."""
-        train_loss = self.stepper.mean_loss(result).item()  # per token, over ranks and micro-batches: a collective
-        self.state.final_train_loss = train_loss
+        # Per token, over ranks and micro-batches: a collective. None (null): a skipped step had nothing to learn.
+        train_loss = None if result.empty else self.stepper.mean_loss(result).item()
+        if train_loss is not None:
+            self.state.final_train_loss = train_loss
         done, interval = self.state.step, self.cfg.train.log_interval
         tok_s, elapsed = self.speed.interval(warm=done > self.start_step + interval)  # the first interval holds warm-up
         record = {
@@ -310,9 +320,11 @@ class Trainer:
         }
         if self.precision.scaler is not None:  # fp16: updates the loss scaler skipped on an overflow, so far
             record["skipped_by_scaler"] = self.stepper.skipped_by_scaler
+        if not self.data.all_targets_count:  # samples with ignored targets: steps with nothing to learn, so far
+            record["skipped_empty_steps"] = self.stepper.skipped_empty
         self.batches.seconds = 0.0
         self.metrics.log(record)
-        self.pbar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{tok_s:,.0f}")
+        self.pbar.set_postfix(loss=fmt(train_loss), tok_s=f"{tok_s:,.0f}")
         say(train_line(record, self.cfg.train.max_steps))  # plain lines: the bar is off when stderr is not a terminal
 
     def evaluate(self) -> None:
@@ -321,15 +333,18 @@ class Trainer:
         state, done = self.state, self.state.step
         state.final_val_loss, state.final_val_step = val["loss"], done
         state.final_val_metrics = {f"val_{name}": value for name, value in val.items()}
-        if state.best_val_loss is None or val["loss"] < state.best_val_loss:
+        if val["loss"] is not None and (state.best_val_loss is None or val["loss"] < state.best_val_loss):
             state.best_val_loss = val["loss"]
         self.metrics.log({"kind": "eval", "step": done, **state.final_val_metrics})
-        others = "".join(f", val {name} {value:.4f}" for name, value in val.items() if name != "loss")
-        say(f"step {done}: train loss {fmt(state.final_train_loss)}, val loss {val['loss']:.4f}{others}")
+        others = "".join(f", val {name} {fmt(value)}" for name, value in val.items() if name != "loss")
+        say(f"step {done}: train loss {fmt(state.final_train_loss)}, val loss {fmt(val['loss'])}{others}")
+        if val["loss"] is None:  # eval_metrics.py: a ratio over nothing is not measured
+            say(f"notice: step {done}: the validation batches hold no token to learn; val metrics are null (not measured)")
 
     def save(self) -> None:
         """A checkpoint of this step (a collective): weights, optimizer, schedule, every rank's RNG, the state."""
         self.state.skipped_steps, self.state.scaler_skipped_steps = self.guard.skipped, self.stepper.skipped_by_scaler
+        self.state.skipped_empty_steps = self.stepper.skipped_empty
         # A collective; None unless the data is a stream (one position per data-parallel rank).
         self.state.data_position = gather_positions(self.loader, self.engine.dp_size, self.engine.dp_rank)
         self.saver.save(self.engine, self.state, self.scheduler, self.precision, self.config_yaml, self.tokenizer_files)
@@ -363,7 +378,7 @@ class Trainer:
             )
             say(f"[parallel_train] {written}")
         summary = {**self.summary(), **engine_summary}
-        write_atomic(out / "summary.json", json.dumps(summary, indent=1))
+        write_atomic(out / "summary.json", json_text(summary, indent=1))
         say(f"[parallel_train] loss curves: {plot_runs([out], out / PICTURE)}")
         say(
             f"[parallel_train] done: {cfg.train.max_steps} steps, val loss {fmt(self.state.final_val_loss)}, "
@@ -384,6 +399,7 @@ class Trainer:
             "distributed_type": accelerator.distributed_type.value,
             "mixed_precision": self.precision.name,
             "skipped_by_scaler_steps": self.stepper.skipped_by_scaler,
+            "skipped_empty_steps": self.stepper.skipped_empty,  # no token to learn on any rank (step.py)
             "tokens_per_sec": tok_s,
             "mfu": mfu(self.flops_per_token, tok_s, self.peak, accelerator.num_processes) if tok_s else None,
             "wall_time_s": time.perf_counter() - self.t_start,

@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from parallel_train import faults
 from parallel_train.checkpoint import storage
 from parallel_train.checkpoint.disk import as_os_error, free_bytes, human
+from parallel_train.checkpoint.json_text import json_text
 from parallel_train.checkpoint.manifest import MANIFEST, SHARD_DIR, fsync, record, refuse_code, verify, verify_spread, write_manifest  # noqa: F401  (checkpoint.verify: scripts and tests)
 from parallel_train.checkpoint.named_state import RankState, load_into, merge_meta, rank_tensors, templates
 from parallel_train.checkpoint.train_state import TrainingState
@@ -188,7 +189,7 @@ class Checkpointer:
         trainer_state = dict(state.to_dict(), scheduler=scheduler.state_dict())
         if precision.state_dict() is not None:  # fp16's loss scale (plain numbers)
             trainer_state["grad_scaler"] = precision.state_dict()
-        files = {"trainer_state.json": json.dumps(trainer_state, indent=1), "config.yaml": config_yaml, **tokenizer_files}
+        files = {"trainer_state.json": json_text(trainer_state, indent=1), "config.yaml": config_yaml, **tokenizer_files}
         final = self.write(state.step, engine.rank_state(), files)
         self.blocking_s += time.perf_counter() - started
         return final
@@ -206,7 +207,7 @@ class Checkpointer:
         rng_file = f"rng_rank{self.rank}.safetensors"
         problem = attempt(lambda: save_file(rng_state(), str(tmp / rng_file)), rng_file)
         if self.rank == 0 and problem is None:
-            texts = {**files, "optimizer.json": json.dumps(merge_meta(parts), indent=1)}
+            texts = {**files, "optimizer.json": json_text(merge_meta(parts), indent=1)}
             problem = next(
                 filter(None, (attempt(lambda n=n, t=t: (tmp / n).write_text(t, encoding="utf-8"), n) for n, t in texts.items())), None
             )

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from parallel_train.checkpoint.json_text import json_text
 from parallel_train.checkpoint.manifest import SHARD_DIR
 from parallel_train.checkpoint.named_state import MODEL
 from parallel_train.checkpoint.storage import SHARDING_INFO
@@ -162,5 +163,5 @@ def export(checkpoint: Path, out_dir: Path, max_file_bytes: int | None = None) -
         write_safetensors(out_dir / name, group, ties)
     weight_map = {tensor: name for name, group in zip(names, groups, strict=True) for tensor in group}
     metadata = {"total_size": sum(e.nbytes for e in entries.values()), **({TIED_KEY: ties} if ties else {})}
-    (out_dir / INDEX).write_text(json.dumps({"metadata": metadata, "weight_map": weight_map}, indent=2))
+    (out_dir / INDEX).write_text(json_text({"metadata": metadata, "weight_map": weight_map}, indent=2))
     return [out_dir / n for n in names] + [out_dir / INDEX]

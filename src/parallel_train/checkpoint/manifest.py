@@ -21,6 +21,7 @@ from typing import Any
 from safetensors import safe_open
 
 from parallel_train import faults
+from parallel_train.checkpoint.json_text import json_text
 from parallel_train.errors import UserError
 from parallel_train.parallel.collectives import all_gather, from_rank0
 
@@ -59,7 +60,7 @@ def write_manifest(folder: Path, records: dict[str, dict[str, Any]] | None = Non
     file (the JSON the main process wrote) is hashed here. Then the manifest, flushed with the folders."""
     files = {name: (records or {}).get(name) or record(folder, name, 0) for name in files_of(folder)}
     faults.in_seal(str(folder))  # test-only: a kill here must leave the old set of checkpoints (the rename comes after)
-    (folder / MANIFEST).write_text(json.dumps({"format": FORMAT, "files": files}, indent=1))
+    (folder / MANIFEST).write_text(json_text({"format": FORMAT, "files": files}, indent=1))
     fsync(folder / MANIFEST)
     for sub in {(folder / n).parent for n in files}:
         fsync(sub)

@@ -26,6 +26,7 @@ class TrainingState:
     global_batch: int | None = None  # samples per optimizer step: with the seed, it fixes the data order
     skipped_steps: int = 0  # non-finite steps skipped so far (train.max_skipped_steps)
     scaler_skipped_steps: int = 0  # fp16 updates the loss scaler skipped on an overflow (not faults: step.py)
+    skipped_empty_steps: int = 0  # steps with no token to learn on any rank, skipped whole (step.py)
     final_train_loss: float | None = None  # the last logged train loss
     final_val_loss: float | None = None  # the last evaluation's loss ...
     final_val_step: int | None = None  # ... and the step it was measured at

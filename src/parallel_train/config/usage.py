@@ -48,6 +48,17 @@ def _prepared(c: Any) -> bool:
     return is_prepared(c.data.path)
 
 
+def _lora(c: Any) -> bool:
+    return getattr(c.model, "lora_rank", 0) > 0
+
+
+# Without lora_rank these keys change nothing and every weight trains: a full fine-tune the user did not ask for.
+FULL_FINE_TUNE = (
+    "set, but model.lora_rank=0, so no adapters are made and every weight would train (a full fine-tune); "
+    "set model.lora_rank=R (e.g. 8) for LoRA, or drop it"
+)
+
+
 def _pipeline(c: Any) -> bool:
     return c.parallel.pipeline_stages > 1
 
@@ -87,9 +98,9 @@ ROWS: tuple[Row, ...] = (
         "model.name=gpt, or data.path=synthetic (model.name=hf: the embedding is its config.json's)",
         lambda c: c.model.name not in ("hf", "mlp") or c.data.path == "synthetic",
     ),
-    Row("model.lora_alpha", "model.lora_rank > 0", lambda c: getattr(c.model, "lora_rank", 0) > 0),
-    Row("model.lora_dropout", "model.lora_rank > 0", lambda c: getattr(c.model, "lora_rank", 0) > 0),
-    Row("model.lora_targets", "model.lora_rank > 0", lambda c: getattr(c.model, "lora_rank", 0) > 0),
+    Row("model.lora_alpha", "model.lora_rank > 0", _lora, refuse=FULL_FINE_TUNE),
+    Row("model.lora_dropout", "model.lora_rank > 0", _lora, refuse=FULL_FINE_TUNE),
+    Row("model.lora_targets", "model.lora_rank > 0", _lora, refuse=FULL_FINE_TUNE),
     Row("train.beta1", "train.optimizer=adamw", lambda c: c.train.optimizer == "adamw"),
     Row("train.beta2", "train.optimizer=adamw", lambda c: c.train.optimizer == "adamw"),
     Row("train.weight_decay", "train.optimizer=adamw", lambda c: c.train.optimizer == "adamw"),

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from parallel_train.checkpoint.json_text import json_text
 from parallel_train.errors import UserError
 
 FILES = ("chat_template.jinja", "tokenizer_config.json")  # what save_pretrained writes beside tokenizer.json
@@ -177,7 +178,7 @@ class ChatFormat:
             files = {name: (Path(tmp) / name).read_text(encoding="utf-8") for name in FILES if (Path(tmp) / name).is_file()}
         if "tokenizer_config.json" in files:  # how it was loaded (HF_HUB_OFFLINE, ...) is not the tokenizer's: same bytes everywhere
             config = {k: v for k, v in json.loads(files["tokenizer_config.json"]).items() if k not in LOAD_TIME_KEYS}
-            files["tokenizer_config.json"] = json.dumps(config, indent=2) + "\n"
+            files["tokenizer_config.json"] = json_text(config, indent=2) + "\n"
         return files
 
 

@@ -48,12 +48,18 @@ class SamplesInMemory:
 
     def __post_init__(self) -> None:
         self.lengths = np.asarray([len(i) for i in self.ids], dtype=np.int64)
+        self.learnable = np.asarray([learnable_tokens(m) for m in self.masks], dtype=np.int64)  # per sample
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def get(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         return self.ids[i], self.masks[i]
+
+
+def learnable_tokens(mask: np.ndarray) -> int:
+    """The targets of one sample that the loss counts: its tokens to learn after the first (`training_row`)."""
+    return int(np.count_nonzero(np.asarray(mask[1:], dtype=bool)))
 
 
 def training_row(ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

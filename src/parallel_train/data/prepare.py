@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from parallel_train import faults
+from parallel_train.checkpoint.json_text import json_text
 from parallel_train.data.inputs import Source, load_source, resolve_inputs
 from parallel_train.data.prepared import CHAT_FILES, FORMAT, META, SPLITS, VERSION, read_meta, shard_name, shard_problem, token_dtype
 from parallel_train.data.tokenizers import HF_FILE, VOCAB_FILE, Tokenizer, load_tokenizer, needs_corpus
@@ -369,7 +370,7 @@ def _prepare_samples_into(out: Path, sources: list[Source], inputs_fingerprint: 
 def _write_meta(out: Path, meta: dict[str, Any]) -> None:
     tmp = out / f".{META}.tmp"
     with open(tmp, "w") as f:
-        f.write(json.dumps(meta, indent=1))
+        f.write(json_text(meta, indent=1))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, out / META)

@@ -18,9 +18,10 @@ from typing import Any
 import numpy as np
 
 from parallel_train.config.sections import DataConfig
+from parallel_train.data.packing import learnable_tokens
 from parallel_train.data.prepared import FORMAT, SPLITS, VERSION, shard_name, token_dtype
 from parallel_train.data.prepared_samples import SampleShardWriter
-from parallel_train.data.sft import row_sources, sample_format
+from parallel_train.data.sft import check_learnable, row_sources, sample_format
 from parallel_train.data.tokenizers import load_tokenizer, needs_corpus
 from parallel_train.errors import UserError
 
@@ -57,6 +58,8 @@ def render(opts: Any) -> dict[str, Any]:
     tokenizer = load_tokenizer(opts.tokenizer)
     fmt = sample_format(d, tokenizer, opts.tokenizer)
     samples = render_all(d, opts.inputs, fmt)
+    learnable = np.asarray([learnable_tokens(mask) for _, mask in samples], dtype=np.int64)  # nothing is cut here
+    check_learnable(d, fmt, learnable, learnable, len(samples) - val_count(len(samples), opts.val_fraction), 0, opts.inputs)
     top = max(int(ids.max()) for ids, _ in samples if len(ids))
     if top >= tokenizer.size:
         raise UserError(
@@ -65,10 +68,14 @@ def render(opts: Any) -> dict[str, Any]:
     return {"samples": samples, "fmt": fmt, "tokenizer": tokenizer}
 
 
+def val_count(samples: int, val_fraction: float) -> int:
+    return max(1, int(samples * val_fraction))  # as data/sft.py splits rows read into memory
+
+
 def write(out: Path, rendered: dict[str, Any], opts: Any) -> dict[str, Any]:
     """The last --val_fraction of the samples is the validation split; each split in shards of whole samples."""
     samples, tokenizer = rendered["samples"], rendered["tokenizer"]
-    n_val = max(1, int(len(samples) * opts.val_fraction))
+    n_val = val_count(len(samples), opts.val_fraction)
     parts = {"train": samples[: len(samples) - n_val], "val": samples[len(samples) - n_val :]}
     dtype = token_dtype(tokenizer.size)
     splits = {s: write_split(out, s, parts[s], dtype, opts.shard_tokens) for s in SPLITS}
@@ -80,7 +87,8 @@ def write_split(out: Path, split: str, samples: list, dtype: str, shard_tokens: 
     for ids, mask in samples:
         writer.add(ids, mask)
     shards = writer.finish()
-    return {"tokens": sum(s["tokens"] for s in shards), "chars": 0, "samples": len(samples), "shards": shards}
+    learnable = sum(s["learnable"] for s in shards)
+    return {"tokens": sum(s["tokens"] for s in shards), "chars": 0, "samples": len(samples), "learnable": learnable, "shards": shards}
 
 
 def metadata(opts: Any, prepared: dict[str, Any], inputs_fingerprint: str, text_bytes: int) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from torch.utils.data import Dataset
 from parallel_train.config.sections import Config
 from parallel_train.data.chat_format import FILES as CHAT_FILES  # the chat template, saved beside the tokenizer
 from parallel_train.data.prepared_samples import PreparedSamples, companion_problem
-from parallel_train.data.sft import sample_datasets
+from parallel_train.data.sft import sample_datasets, truncated_away
 from parallel_train.data.text import Data, vocab_size_for
 from parallel_train.data.tokenizers import Tokenizer, load_saved
 from parallel_train.errors import UserError
@@ -308,6 +308,11 @@ def prepared_samples_data(cfg: Config, info: PreparedInfo, tokenizer: Tokenizer,
     train, val = (PreparedSamples(info.folder, splits[s]["shards"], info.meta["dtype"], limit, cfg.data.truncate) for s in SPLITS)
     if len(train) < 1 or len(val) < 1:
         raise UserError(f"data.path: {info.folder} holds {len(train)} train and {len(val)} validation samples; each split needs one")
+    for split, samples in (("train", train), ("validation", val)):  # nothing to learn: data/sft.py's check_learnable
+        left, uncut = samples.learnable()
+        if not left:
+            why = truncated_away(cfg.model.block_size) if uncut else "none of its samples has a token to learn (their masks are all 0)"
+            raise UserError(f"data.path: {info.folder} has nothing to learn in its {split} split ({len(samples):,} samples): {why}")
     pad_id = tokenizer.eot if tokenizer.eot is not None else 0
     train_set, val_set = sample_datasets(cfg, train, val, pad_id)
     files = {name: (info.folder / name).read_text(encoding="utf-8") for name in CHAT_FILES if (info.folder / name).is_file()}

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from parallel_train.data.packing import learnable_tokens
 from parallel_train.errors import UserError
 
 MASK, OFFSETS = ".mask.bin", ".offsets.bin"
@@ -52,23 +53,25 @@ class SampleShardWriter:
         self.shards: list[dict[str, Any]] = []
         self._ids: list[np.ndarray] = []
         self._masks: list[np.ndarray] = []
+        self._learnable = 0  # the shard's targets the loss counts (prepared.json: read at start instead of every mask)
 
     def add(self, ids: np.ndarray, mask: np.ndarray) -> None:
         if self._ids and sum(map(len, self._ids)) + len(ids) > self.limit:
             self._flush()
         self._ids.append(np.asarray(ids))
         self._masks.append(np.asarray(mask, dtype=np.uint8))
+        self._learnable += learnable_tokens(mask)
 
     def _flush(self) -> None:
         name = self.names(len(self.shards))
         ids = np.concatenate(self._ids).astype(self.dtype)
         offsets = np.concatenate([[0], np.cumsum([len(i) for i in self._ids])]).astype("<i8")
         record = _write(self.folder / name, ids.tobytes())
-        record.update(tokens=len(ids), samples=len(self._ids), max_id=int(ids.max()) if len(ids) else -1)
+        record.update(tokens=len(ids), samples=len(self._ids), max_id=int(ids.max()) if len(ids) else -1, learnable=self._learnable)
         record["mask"] = _write(self.folder / companion(name, MASK), np.concatenate(self._masks).tobytes())
         record["offsets"] = _write(self.folder / companion(name, OFFSETS), offsets.tobytes())
         self.shards.append(record)
-        self._ids, self._masks = [], []
+        self._ids, self._masks, self._learnable = [], [], 0
 
     def finish(self) -> list[dict[str, Any]]:
         if self._ids:
@@ -110,6 +113,22 @@ class PreparedSamples:
                 f"({len(too_long):,} samples are); raise model.block_size, or cut them with data.truncate=true"
             )
         self.lengths = np.minimum(lengths, limit)
+        self._too_long = too_long  # cut to `limit` on read (data.truncate)
+
+    def learnable(self) -> tuple[int, int]:
+        """The split's targets the loss counts, after and before data.truncate's cut: prepared.json's count (per shard),
+        less what the cut removes (only the cut samples are read); a shard prepared before the count was recorded is
+        counted from its mask (one byte a token)."""
+        total = 0
+        for shard in self.shards:
+            if "learnable" in shard:
+                total += int(shard["learnable"])
+                continue
+            _, mask, offsets = self._open_one(shard)
+            starts = offsets[:-1][np.diff(offsets) > 0]  # each sample's first token is no target
+            total += int(np.count_nonzero(mask)) - int(np.count_nonzero(mask[starts]))
+        cut_away = sum(int(np.count_nonzero(self._mask_of(int(i))[self.limit :])) for i in self._too_long)
+        return total - cut_away, total
 
     def _open_one(self, shard: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         tokens = np.asarray(np.memmap(self.folder / shard["file"], dtype=self.dtype, mode="r"))
@@ -123,11 +142,19 @@ class PreparedSamples:
     def __len__(self) -> int:
         return self.starts[-1]
 
-    def get(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+    def _span(self, i: int) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], int, int]:
+        """Sample i's shard maps and where it lies in them, uncut."""
         if self._maps is None:
             self._maps = [self._open_one(s) for s in self.shards]
         k = bisect.bisect_right(self.starts, i) - 1
-        tokens, mask, offsets = self._maps[k]
-        lo, hi = int(offsets[i - self.starts[k]]), int(offsets[i - self.starts[k] + 1])
+        offsets = self._maps[k][2]
+        return self._maps[k], int(offsets[i - self.starts[k]]), int(offsets[i - self.starts[k] + 1])
+
+    def _mask_of(self, i: int) -> np.ndarray:
+        (_, mask, _), lo, hi = self._span(i)
+        return mask[lo:hi].astype(bool)
+
+    def get(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        (tokens, mask, _), lo, hi = self._span(i)
         hi = min(hi, lo + self.limit)
         return tokens[lo:hi].astype(np.int64), mask[lo:hi].astype(bool)

@@ -22,7 +22,7 @@ import numpy as np
 from parallel_train.config.sections import Config, DataConfig
 from parallel_train.data.chat_format import ChatFormat, load_format
 from parallel_train.data.inputs import loading_error, resolve_inputs
-from parallel_train.data.packing import PackedSamples, PaddedSamples, Samples, SamplesInMemory
+from parallel_train.data.packing import PackedSamples, PaddedSamples, Samples, SamplesInMemory, learnable_tokens
 from parallel_train.data.text import Data, check_resumed_tokenizer, vocab_size_for
 from parallel_train.data.tokenizers import Tokenizer, load_tokenizer, needs_corpus
 from parallel_train.errors import UserError
@@ -88,17 +88,62 @@ def fit(ids: np.ndarray, mask: np.ndarray, block_size: int, truncate: bool, wher
     return ids[: block_size + 1], mask[: block_size + 1]
 
 
-def render_rows(cfg: Config, fmt: ChatFormat) -> SamplesInMemory:
-    ids, masks = [], []
+def render_rows(cfg: Config, fmt: ChatFormat) -> tuple[SamplesInMemory, np.ndarray]:
+    """Every row as a sample, and each sample's tokens to learn before data.truncate cut it (the cause, when none is left)."""
+    ids, masks, uncut = [], [], []
     for label, ds in row_sources(cfg.data):
         for number, row in enumerate(ds, start=1):
             where = f"{label}: row {number}"
-            sample_ids, mask = fit(*fmt.render(row, where), cfg.model.block_size, cfg.data.truncate, where)
+            rendered = fmt.render(row, where)
+            uncut.append(learnable_tokens(rendered[1]))
+            sample_ids, mask = fit(*rendered, cfg.model.block_size, cfg.data.truncate, where)
             ids.append(sample_ids.astype(np.int32))
             masks.append(mask)
     if len(ids) < 2:
         raise UserError(f"data.path: {cfg.data.path!r} holds {len(ids)} rows; a train and a validation sample need at least 2")
-    return SamplesInMemory(ids, masks)
+    return SamplesInMemory(ids, masks), np.asarray(uncut, dtype=np.int64)
+
+
+def check_learnable(
+    d: DataConfig, fmt: ChatFormat, learnable: np.ndarray, uncut: np.ndarray, n_train: int, block_size: int, inputs: list[str] | None = None
+) -> None:
+    """Nothing to learn is an error, at start: a split whose samples have no target the loss counts would train with
+    loss 0 (no gradient, yet the optimizer's weight decay and momentum would move the weights) or report a
+    validation loss of 0/0. `learnable`, `uncut`: each sample's tokens to learn after and before data.truncate.
+    `inputs`: prepare_data's --input files (data.path otherwise)."""
+    key = "--input" if inputs else "data.path"
+    for split, part in (("train", slice(0, n_train)), ("validation", slice(n_train, len(learnable)))):
+        if learnable[part].sum():
+            continue
+        cut = bool(uncut[part].sum())
+        why = truncated_away(block_size) if cut else no_answers(d, fmt, range(len(learnable))[part], inputs, key)
+        source = f"--input {' '.join(inputs)}" if inputs else f"data.path: {d.path!r}"
+        raise UserError(f"{source} has nothing to learn in its {split} split ({len(learnable[part]):,} samples): {why}")
+
+
+def truncated_away(block_size: int) -> str:
+    return (
+        f"data.truncate=true cut every answer away (a sample keeps its first model.block_size + 1 = {block_size + 1:,} tokens, "
+        "which end before its answers); raise model.block_size"
+    )
+
+
+def no_answers(d: DataConfig, fmt: ChatFormat, wanted: range, inputs: list[str] | None, key: str) -> str:
+    """Why rows hold no token to learn (read again: this is the error's path only)."""
+    answers, index = [], 0
+    for label, ds in row_sources(d, inputs, key=key):
+        for number, row in enumerate(ds, start=1):
+            if index in wanted:
+                answers += [m["content"] for m in fmt.messages(row, f"{label}: row {number}") if m["role"] == "assistant"]
+            index += 1
+    if not answers:
+        return "no row has an assistant turn (a message with role 'assistant'), and the loss counts only the assistant's tokens; add the answers"
+    if not any(str(a).strip() for a in answers):
+        return f"every answer is empty ({len(answers):,} assistant turns with no text), and the loss counts only the answers' tokens; fill them in"
+    return (
+        "the chat template marks none of the assistant's tokens; check its {% generation %}...{% endgeneration %} tags "
+        "(or give data.chat_template=FILE)"
+    )
 
 
 def sample_datasets(cfg: Config, train: Samples, val: Samples, pad_id: int) -> tuple[Any, Any]:
@@ -113,7 +158,8 @@ def sample_datasets(cfg: Config, train: Samples, val: Samples, pad_id: int) -> t
 def describe(cfg: Config, fmt_line: str, n_train: int, n_val: int, train: Any) -> str:
     how = f"packed into {len(train):,} rows of {cfg.model.block_size} ({100 * train.padding_share():.1f}% padding)" if cfg.data.packing else (
         "one per row, padded to each batch's longest")  # fmt: skip
-    return f"{cfg.data.path}: {n_train:,} train + {n_val:,} val samples, {fmt_line}; {how}"
+    learn = f" ({int(train.samples.learnable.sum()):,} train tokens to learn)"
+    return f"{cfg.data.path}: {n_train:,} train + {n_val:,} val samples{learn}, {fmt_line}; {how}"
 
 
 def load_samples(cfg: Config, saved: Tokenizer | None = None) -> Data:
@@ -128,9 +174,10 @@ def load_samples(cfg: Config, saved: Tokenizer | None = None) -> Data:
     if saved is not None:
         check_resumed_tokenizer(saved, d.tokenizer)
     fmt = sample_format(d, tokenizer, d.tokenizer)
-    samples = render_rows(cfg, fmt)
+    samples, uncut = render_rows(cfg, fmt)
     n_val = max(1, int(len(samples) * d.val_fraction))
     n = len(samples) - n_val
+    check_learnable(d, fmt, samples.learnable, uncut, n, cfg.model.block_size)
     train = SamplesInMemory(samples.ids[:n], samples.masks[:n])
     val = SamplesInMemory(samples.ids[n:], samples.masks[n:])
     pad_id = tokenizer.eot if tokenizer.eot is not None else 0

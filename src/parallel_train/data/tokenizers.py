@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from parallel_train.checkpoint.json_text import json_text
 from parallel_train.errors import UserError
 
 VOCAB_FILE, HF_FILE = "vocab.json", "tokenizer.json"
@@ -87,7 +88,7 @@ class CharVocab(TokenizerFiles):
         return "".join(self.chars[i] for i in ids if i < len(self.chars))  # padded ids have no character
 
     def to_json(self) -> str:
-        return json.dumps({"kind": "char", "chars": self.chars}, ensure_ascii=False)
+        return json_text({"kind": "char", "chars": self.chars}, ensure_ascii=False)
 
     def files(self) -> dict[str, str]:
         return {VOCAB_FILE: self.to_json()}
@@ -109,7 +110,7 @@ class ByteVocab(TokenizerFiles):
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")  # padded ids have no byte
 
     def to_json(self) -> str:
-        return json.dumps({"kind": "byte"})
+        return json_text({"kind": "byte"})
 
     def files(self) -> dict[str, str]:
         return {VOCAB_FILE: self.to_json()}

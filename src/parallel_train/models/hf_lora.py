@@ -70,6 +70,7 @@ def apply(hf: nn.Module, cfg: Any) -> dict[str, str]:
         peft.inject_adapter_in_model(lora_config(cfg), hf, adapter_name=ADAPTER)
     except ValueError as e:  # peft's NoMatchingPeftModuleError, an architecture without a default, a bad key
         raise UserError(f"model.lora_targets: {_first_line(e)} {_linear_names(hf)}") from None
+    _check_wrapped(hf, cfg)
     aliases = {}
     for name, p in hf.named_parameters():
         p.requires_grad_(is_adapter(name))
@@ -78,12 +79,34 @@ def apply(hf: nn.Module, cfg: Any) -> dict[str, str]:
     return aliases
 
 
+def _check_wrapped(hf: nn.Module, cfg: Any) -> None:
+    """What peft wrapped is what this template trains: Linear layers (and GPT-2's Conv1D, which peft wraps as a
+    Linear). peft 0.21.2 also wraps an Embedding (`lora.Embedding`, its matrices `lora_embedding_A`/`_B`), but the
+    template's adapter handling (which parameters train, their keyed start, checkpoints, exports) covers lora_A and
+    lora_B only: an embedding's adapters would stay frozen without a word, and targets matching only embeddings
+    would train 0 parameters. Refused in one line naming the modules matched."""
+    from peft.tuners.lora import LoraLayer
+
+    matched = {name: type(m.get_base_layer()).__name__ for name, m in hf.named_modules() if isinstance(m, LoraLayer)}
+    unsupported = {name: kind for name, kind in matched.items() if kind not in ("Linear", "Conv1D")}
+    if unsupported or not matched:
+        found = ", ".join(f"{name} ({kind})" for name, kind in sorted((unsupported or matched).items())) or "no module"
+        raise UserError(
+            f"model.lora_targets={list(cfg.lora_targets) or 'peft default'} matched {found}; LoRA here adapts Linear layers (and "
+            f"GPT-2's Conv1D): peft can wrap an Embedding too, but its lora_embedding adapters are not trained here; "
+            f"{_linear_names(hf)}"
+        )
+
+
 def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0][:200].rstrip(".") + ";"
 
 
 def _linear_names(hf: nn.Module) -> str:
-    names = sorted({name.rsplit(".", 1)[-1] for name, m in hf.named_modules() if isinstance(m, nn.Linear)})
+    # GPT-2's Conv1D (transformers' own class) is a Linear with its weight transposed: peft adapts both alike.
+    kinds = (nn.Linear,) + tuple({type(m) for m in hf.modules() if type(m).__name__ == "Conv1D"})
+    paths = [name.removesuffix(".base_layer").split(".") for name, m in hf.named_modules() if isinstance(m, kinds)]
+    names = sorted({p[-1] for p in paths if not any(part.startswith("lora_") for part in p)})  # not peft's own Linears
     return f"this model's Linear layers are {', '.join(names)} (or give all-linear)"
 
 

@@ -17,7 +17,7 @@ from typing import Any
 def train_line(record: dict[str, Any], max_steps: int) -> str:
     """`step 10/2000 | loss 2.3456 | lr 1.00e-03 | 12,345 tok/s | 70.1 ms/step | data 2% [| mfu 31.0%]`."""
     line = (
-        f"step {record['step']}/{max_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+        f"step {record['step']}/{max_steps} | loss {'n/a' if record['loss'] is None else format(record['loss'], '.4f')} | lr {record['lr']:.2e} | "
         f"{record['tokens_per_sec']:,.0f} tok/s | {record['step_time_s'] * 1000:.1f} ms/step | "
         f"data {record['data_time_frac']:.0%}"
     )

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from parallel_train.checkpoint.disk import write_atomic, write_error
+from parallel_train.checkpoint.json_text import json_text
 from parallel_train.errors import UserError, is_first_process
 
 if TYPE_CHECKING:  # accelerate costs seconds to import; the trainer imports it when it needs it
@@ -143,7 +144,7 @@ class MetricsLog:
     def log(self, record: dict[str, Any]) -> None:
         if not self.accelerator.is_main_process:
             return
-        line = json.dumps(record) + "\n"
+        line = json_text(record) + "\n"
         try:
             with open(self.path, "a") as f:
                 f.write(line)

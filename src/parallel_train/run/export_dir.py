@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from parallel_train.checkpoint.disk import as_os_error, free_bytes, human
+from parallel_train.checkpoint.json_text import json_text
 from parallel_train.checkpoint.manifest import MANIFEST
 from parallel_train.errors import UserError
 
@@ -96,7 +97,7 @@ def stat_of(path: Path) -> list[int]:
 def mark(folder: Path) -> None:
     """Record in `folder` every file in it, as this export wrote it."""
     files = {str(p.relative_to(folder)): stat_of(p) for p in sorted(folder.rglob("*")) if not p.is_dir()}
-    (folder / MARK).write_text(json.dumps({"written_by": WRITER, "files": files}, indent=1))
+    (folder / MARK).write_text(json_text({"written_by": WRITER, "files": files}, indent=1))
 
 
 def marked_files(folder: Path) -> dict[str, list[int]]:

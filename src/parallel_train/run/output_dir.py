@@ -25,6 +25,7 @@ import socket
 import time
 from pathlib import Path
 
+from parallel_train.checkpoint.json_text import json_text
 from parallel_train.config.sections import Config
 from parallel_train.errors import UserError
 from parallel_train.parallel.collectives import from_rank0
@@ -100,7 +101,7 @@ def _same_file(fd: int, path: Path) -> bool:
 def _record(fd: int) -> None:
     """Who holds the lock, for the message of a second launch. Best effort: the lock itself is what counts."""
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime())
-    text = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": started}).encode()
+    text = json_text({"host": socket.gethostname(), "pid": os.getpid(), "started": started}).encode()
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, text, 0)
