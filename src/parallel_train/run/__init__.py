@@ -1,6 +1,7 @@
 """A run's folder and what happens to it between launches: checked and locked for one run at a time
-(`output_dir.py`), which checkpoint a run continues from, chosen once for every rank (`resume.py`), and what a
-resumed run may change in its config (`resume_config.py`).
+(`output_dir.py`), which checkpoint a run continues from, chosen once for every rank (`resume.py`), what a
+resumed run may change in its config (`resume_config.py`), and a run that finished there launched again
+(`finished.py`: nothing to train, or refused; never trained again from step 0).
 
 May import: config, checkpoint, errors, parallel.collectives. Never an engine or the trainer.
 """
