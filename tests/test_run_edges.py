@@ -132,6 +132,17 @@ def test_a_finished_run_launched_again_is_done_and_changes_nothing(finished, tmp
     assert snapshot(out) == before and not (out / LOCK).exists()
 
 
+def test_a_finished_run_with_only_an_older_checkpoint_trains_the_steps_after_it(finished, tmp_path, capsys):
+    """Its last checkpoint removed (a user redoing the last steps): the same command resumes from step 3, as before."""
+    out = copy_of(finished, tmp_path)
+    shutil.rmtree(out / "checkpoints" / "step_0000006")
+    outcome, printed = train_here(capsys, f"output_dir={out}")
+    assert outcome == "ok" and f"resumed from {out / 'checkpoints' / 'step_0000003'} at step 3" in printed, printed
+    assert (out / "checkpoints" / "step_0000006").is_dir() and [r["step"] for r in read_metrics(out) if r["kind"] == "train"] == list(
+        range(1, 7)
+    )
+
+
 def test_a_finished_run_without_checkpoints_is_not_trained_again_with_another_config(finished, tmp_path, capsys):
     """A longer train.max_steps (or any other change) without a checkpoint to continue from: one line naming the
     change and the two ways on, exit 2, nothing changed. Before, it trained from step 0 over the finished run."""

@@ -110,10 +110,10 @@ class Trainer:
         """The checkpoint to continue from (every rank the same), then the banner, model, engine and outputs."""
         cfg = self.cfg
         rerun = meet_finished_run(cfg, self.out)  # a run that finished here is never trained again (run/finished.py)
-        self.done = rerun.done
+        self.resume_from = choose_checkpoint(cfg.resume, self.ckpt_root, warn=lambda m: say(f"warning: {m}"))
+        self.done = rerun.done_from(self.resume_from, cfg.train.max_steps)
         if self.done:
             return
-        self.resume_from = choose_checkpoint(cfg.resume, self.ckpt_root, warn=lambda m: say(f"warning: {m}"))
         rerun.refuse_unless(self.resume_from)
         # Keys that may change on resume apply from the resumed step; any other change stops here (run/resume_config.py).
         self.changes = config_changes(self.resume_from, cfg) if self.resume_from else {}

@@ -3,11 +3,12 @@
 summary.json is written once, at the end of a run (the trainer's `finish`), and records the config the run finished
 with (`summary_config`). A launch with resume=auto into such a folder:
 
-- with the same config (output_dir and resume aside) has nothing to train: one line, exit 0, no file changed,
-  whatever checkpoints/ holds (they may have been deleted to save space);
-- with another config continues from a checkpoint as any run does (run/resume_config.py: which keys may change);
-  with no checkpoint to continue from it stops in one line, because it would train from step 0 over the finished
-  run's model.safetensors, metrics.jsonl and summary.json.
+- with the same config (output_dir and resume aside) has nothing to train when no checkpoint is left (they may have
+  been deleted to save space) or the newest is at the finished step: one line, exit 0, no file changed;
+- otherwise continues from its newest checkpoint as any run does (run/resume_config.py: which keys may change;
+  with an older checkpoint, the same config trains the steps after it again);
+- with another config and no checkpoint to continue from it stops in one line, because it would train from step 0
+  over the finished run's model.safetensors, metrics.jsonl and summary.json.
 
 A summary.json of an earlier version records no config: config.yaml, written by the launch that finished, stands in
 for it when its train.max_steps is the summary's steps. A `checkpoints` that is a file is never passed over in
@@ -43,9 +44,27 @@ class Rerun:
     done: str | None = None  # the line for a finished run with nothing to train: say it, change nothing, exit 0
     refusal: str | None = None  # the error for a finished run that no checkpoint continues
 
+    def done_from(self, checkpoint: Path | None, max_steps: int) -> str | None:
+        """The done line when the run finished with this config and nothing is left to train from `checkpoint` (none,
+        or one at train.max_steps), else None. A collective when there is a checkpoint: rank 0 reads its step."""
+        if self.done is None or checkpoint is None:
+            return self.done
+        step = from_rank0(saved_step(checkpoint) if rank() == 0 else None)
+        return self.done if step is not None and step >= max_steps else None
+
     def refuse_unless(self, checkpoint: Path | None) -> None:
         if checkpoint is None and self.refusal:
             raise UserError(self.refusal)
+
+
+def saved_step(checkpoint: Path) -> int | None:
+    """The step a checkpoint holds (its trainer_state.json, verified with it), or None when it cannot be read: loading
+    it then says what is wrong."""
+    try:
+        step = json.loads((checkpoint / "trainer_state.json").read_text(encoding="utf-8")).get("step")
+    except (OSError, ValueError, AttributeError, UnicodeDecodeError):
+        return None
+    return step if isinstance(step, int) else None
 
 
 def meet_finished_run(cfg: Config, out: Path) -> Rerun:
