@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -22,7 +23,8 @@ from helpers import PYTHON, REPO, TINY, check, launch_env, read_metrics, run, to
 from parallel_train import faults
 from parallel_train.checkpoint import checkpointer
 from parallel_train.checkpoint.export import load_weights
-from parallel_train.errors import collective_failure_message
+from parallel_train.errors import UserError, collective_failure_message
+from parallel_train.run.resume import choose_checkpoint
 
 pytestmark = pytest.mark.multiprocess
 
@@ -302,6 +304,9 @@ def test_checkpoints_are_ordered_and_pruned_by_their_manifests_step(tmp_path):
     assert [p.name for p in checkpointer.list_checkpoints(root)] == ["step_0000002", "step_0000004", "step_0000005"]
     checkpointer.prune(root, keep=1)
     assert sorted(p.name for p in root.iterdir()) == ["step_0000001", "step_0000005", "step_0000099"]
+    shutil.rmtree(root / "step_0000005")  # only misnamed folders left: resume=auto stops rather than start over
+    with pytest.raises(UserError, match=r"holds no checkpoint whose name is its step \(step_0000001 holds step 6, step_0000099 holds"):
+        choose_checkpoint("auto", root, warn=print)
 
 
 # ---------------------------------------------------------------- divergence
