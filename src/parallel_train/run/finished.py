@@ -89,10 +89,10 @@ def decide(cfg: Config, out: Path) -> dict[str, Any]:
     if finished is not None:
         steps, val_loss, saved = finished
         changes = None if saved is None else {k: v for k, v in differences(saved, cfg).items() if k not in NOT_COMPARED}
-        ran = f"{steps} steps, val loss {f'{val_loss:.4f}' if isinstance(val_loss, (int, float)) else 'n/a'}"
+        loss = f"val loss {f'{val_loss:.4f}' if isinstance(val_loss, (int, float)) else 'n/a'}"
         if changes == {}:
             note = " (its checkpoints is a file, not a folder)" if a_file else ""
-            return {"done": f"[parallel_train] output_dir {out} holds a finished run ({ran}){note}; nothing to train"}
+            return {"done": f"[parallel_train] output_dir {out} holds a finished run ({steps} steps, {loss}){note}; nothing to train"}
     if a_file:
         raise UserError(
             f"output_dir: {root} is a file, not the run's folder of checkpoints: move it away, or choose another output_dir; "
@@ -104,7 +104,7 @@ def decide(cfg: Config, out: Path) -> dict[str, Any]:
     if changes:
         what = "this launch changes " + ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items())
     return {
-        "refusal": f"resume=auto: output_dir {out} holds a run that finished at step {steps} ({ran}) and no checkpoint to "
+        "refusal": f"resume=auto: output_dir {out} holds a run that finished at step {steps} ({loss}) and no checkpoint to "
         f"continue it from, and {what}: it would train again from step 0 over that run. Continue from a checkpoint of it "
         "with resume=PATH, or start this run in a new output_dir; nothing in output_dir was changed"
     }
