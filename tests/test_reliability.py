@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -22,7 +23,8 @@ from helpers import PYTHON, REPO, TINY, accelerate_cmd, check, launch_env, read_
 from parallel_train import faults
 from parallel_train.checkpoint import checkpointer
 from parallel_train.checkpoint.export import load_weights
-from parallel_train.errors import collective_failure_message
+from parallel_train.errors import UserError, collective_failure_message
+from parallel_train.run.resume import choose_checkpoint
 
 pytestmark = pytest.mark.multiprocess
 
@@ -334,6 +336,23 @@ def test_prune_goes_by_step_number_up_to_the_step_just_written(tmp_path):
     assert [checkpointer.checkpoint_step(p) for p in checkpointer.list_checkpoints(root)] == [5, 9, 9_999_999, 10_000_000]
     checkpointer.prune(root, keep=1, upto=10_000_000)
     assert [p.name for p in checkpointer.list_checkpoints(root)] == ["step_10000000"]
+
+
+def test_checkpoints_are_ordered_and_pruned_by_their_manifests_step(tmp_path):
+    """A folder whose name and manifest disagree (copied or renamed: step 6's checkpoint named step_0000001, step 2's
+    named step_0000099) is left out of the listing, so pruning never deletes it; a manifest without a step (an
+    earlier version's) leaves the name as the step."""
+    root = tmp_path / "checkpoints"
+    for name, step in ((1, 6), (2, 2), (4, 4), (5, None), (99, 2)):
+        _fake_checkpoint(root, name, None)
+        manifest = {"format": 2, "files": {}, **({"step": step} if step is not None else {})}
+        (root / checkpointer.checkpoint_name(name) / "manifest.json").write_text(json.dumps(manifest))
+    assert [p.name for p in checkpointer.list_checkpoints(root)] == ["step_0000002", "step_0000004", "step_0000005"]
+    checkpointer.prune(root, keep=1)
+    assert sorted(p.name for p in root.iterdir()) == ["step_0000001", "step_0000005", "step_0000099"]
+    shutil.rmtree(root / "step_0000005")  # only misnamed folders left: resume=auto stops rather than start over
+    with pytest.raises(UserError, match=r"holds no checkpoint whose name is its step \(step_0000001 holds step 6, step_0000099 holds"):
+        choose_checkpoint("auto", root, warn=print)
 
 
 # ---------------------------------------------------------------- divergence

@@ -123,6 +123,81 @@ def test_one_flipped_byte_of_the_same_size_is_caught_by_its_sha256(finished, tmp
     assert verify(step6) is None  # written again by the resumed run
 
 
+# ---------------------------------------------------------------- a finished run is never trained again
+
+
+LAUNCH_LINES = ("no CUDA GPU found", "notice: RANK=")  # what a 2-process launch says on this machine before the run does
+
+
+def one_line(result) -> str:
+    lines = [line for line in result.output.splitlines() if line.strip() and not line.startswith(LAUNCH_LINES)]
+    assert len(lines) == 1 and "Traceback" not in result.output, result.output[-3000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize(("gone", "nproc"), [("deleted", 1), ("a_file", 2), ("summary_of_an_earlier_version", 1), ("kept", 1)])
+def test_a_finished_run_launched_again_is_done_and_changes_nothing(finished, tmp_path, gone, nproc):
+    """Its checkpoints/ deleted to save space, or replaced by a file (or, for a summary.json of an earlier version
+    that records no config, deleted: config.yaml says what finished; or kept): the same command says it is done in
+    one line, exit 0 on every rank, and no file changes (the lock file is gone again). Before, it trained from step 0
+    over the run (with its checkpoints kept: resumed at step 6 and wrote model.safetensors and summary.json again)."""
+    out = copy_of(finished, tmp_path)
+    if gone != "kept":
+        shutil.rmtree(out / "checkpoints")
+    if gone == "a_file":
+        (out / "checkpoints").write_text("not a folder\n")
+    if gone == "summary_of_an_earlier_version":
+        summary = json.loads((out / "summary.json").read_text())
+        summary.pop("config", None)
+        (out / "summary.json").write_text(json.dumps(summary))
+    before = snapshot(out)
+    result = run(warm_cmd(nproc, *TINY, f"output_dir={out}"), env=launch_env(tmp_path))  # 2: every rank exits alike
+    line = one_line(result)
+    assert result.returncode == 0 and f"output_dir {out} holds a finished run (6 steps, val loss " in line, result.output[-3000:]
+    assert "nothing to train" in line and ("checkpoints is a file" in line) == (gone == "a_file")
+    assert snapshot(out) == before and not (out / LOCK).exists()
+
+
+def test_a_finished_run_with_only_an_older_checkpoint_trains_the_steps_after_it(finished, tmp_path, capsys):
+    """Its last checkpoint removed (a user redoing the last steps): the same command resumes from step 3, as before."""
+    out = copy_of(finished, tmp_path)
+    shutil.rmtree(out / "checkpoints" / "step_0000006")
+    outcome, printed = train_here(capsys, f"output_dir={out}")
+    assert outcome == "ok" and f"resumed from {out / 'checkpoints' / 'step_0000003'} at step 3" in printed, printed
+    assert (out / "checkpoints" / "step_0000006").is_dir() and [r["step"] for r in read_metrics(out) if r["kind"] == "train"] == list(
+        range(1, 7)
+    )
+
+
+def test_a_finished_run_without_checkpoints_is_not_trained_again_with_another_config(finished, tmp_path, capsys):
+    """A longer train.max_steps (or any other change) without a checkpoint to continue from: one line naming the
+    change and the two ways on, exit 2, nothing changed. Before, it trained from step 0 over the finished run."""
+    out = copy_of(finished, tmp_path)
+    shutil.rmtree(out / "checkpoints")
+    before = snapshot(out)
+    result = run(warm_cmd(1, *TINY, "train.max_steps=9", f"output_dir={out}"), env=launch_env(tmp_path))
+    line = one_line(result)
+    assert result.returncode == 2 and line.startswith(f"error: resume=auto: output_dir {out} holds a run that finished at step 6"), line
+    assert "train.max_steps 6 -> 9" in line and "resume=PATH" in line and "new output_dir" in line
+    outcome, _ = train_here(capsys, "train.learning_rate=0.003", f"output_dir={out}")
+    assert "train.learning_rate 0.001 -> 0.003" in outcome and "resume=PATH" in outcome
+    assert snapshot(out) == before
+
+
+def test_a_checkpoint_renamed_to_a_later_step_is_neither_resumed_from_nor_pruned(finished, tmp_path, capsys):
+    """step_0000003 copied to step_0099999: resume=auto takes the real newest (step 6) with a notice naming the copy,
+    and keep=2 prunes by the manifests' steps: steps 6 and 9 stay, and so does the copy. Before, the run resumed from
+    the copy at step 3 and trained again over the real step 6."""
+    out = copy_of(finished, tmp_path)
+    root = out / "checkpoints"
+    shutil.copytree(root / "step_0000003", root / "step_0099999")
+    outcome, printed = train_here(capsys, "train.max_steps=9", "checkpoint.keep=2", f"output_dir={out}")
+    assert outcome == "ok", printed
+    assert f"resumed from {root / 'step_0000006'} at step 6" in printed
+    assert f"warning: skipping checkpoint {root / 'step_0099999'}: its manifest says step 3" in printed
+    assert sorted(p.name for p in root.iterdir()) == ["step_0000006", "step_0000009", "step_0099999"]
+
+
 # ---------------------------------------------------------------- torn files
 
 

@@ -47,6 +47,7 @@ from parallel_train.parallel.build import build_engine, describe, splits_the_mod
 from parallel_train.parallel.model_init import Whole, start_model
 from parallel_train.parallel.precision import make_precision
 from parallel_train.run.export_dir import write_folders
+from parallel_train.run.finished import meet_finished_run, summary_config
 from parallel_train.run.output_dir import check_output_dir, lock_output_dir
 from parallel_train.run.resume import choose_checkpoint
 from parallel_train.run.resume_config import SCHEDULE, apply_schedule, change_notice, check_same_files, config_changes
@@ -110,7 +111,12 @@ class Trainer:
     def _set_up(self, config_path: str | None, tracker_word: str) -> None:
         """The checkpoint to continue from (every rank the same), then the banner, model, engine and outputs."""
         cfg = self.cfg
+        rerun = meet_finished_run(cfg, self.out)  # a run that finished here is never trained again (run/finished.py)
         self.resume_from = choose_checkpoint(cfg.resume, self.ckpt_root, warn=lambda m: say(f"warning: {m}"))
+        self.done = rerun.done_from(self.resume_from, cfg.train.max_steps)
+        if self.done:
+            return
+        rerun.refuse_unless(self.resume_from)
         # Keys that may change on resume apply from the resumed step; any other change stops here (run/resume_config.py).
         self.changes = config_changes(self.resume_from, cfg) if self.resume_from else {}
         self.device = self.accelerator.device
@@ -240,6 +246,12 @@ class Trainer:
 
     def run(self) -> int:
         """Train to train.max_steps (or an agreed stop), then finish; close on every way out."""
+        if self.done:  # a finished run met again: one line, nothing written, the lock file gone again
+            say(self.done)
+            self.accelerator.wait_for_everyone()
+            self.accelerator.end_training()  # the process group, as close() ends it
+            self.lock.release()
+            return 0
         finished_cleanly = False
         self.guard.signals.install()  # from here on SIGTERM/SIGUSR1/SIGINT stop at an agreed step, with a checkpoint
         try:
@@ -405,6 +417,7 @@ class Trainer:
             "wall_time_s": time.perf_counter() - self.t_start,
             "time_to_first_step_s": self.first_step_s,
             "resumed_from": str(self.resume_from) if self.resume_from else None,
+            "config": summary_config(self.cfg),  # what a later launch into this folder compares itself with (run/finished.py)
             "checkpoint_blocking_s": self.saver.blocking_s,  # the loop's time in checkpoint saves (checkpoint.async: the copy)
             "checkpoint_drain_s": self.saver.drain_s,  # the wait for the last background write, after the loop
             **peak_memory_mb(self.device),

@@ -1,6 +1,7 @@
 """Never losing work: atomic checkpoints that every rank writes its part of (`checkpointer.py`), their manifest and
-verification (`manifest.py`), each rank's tensors through torch DCP as safetensors (`storage.py`), a rank's state by
-parameter name (`named_state.py`: `RankState`, what loads into any topology), the training state beside the tensors
+verification (`manifest.py`), a run's checkpoints in the order of their manifests' steps and pruning (`listing.py`),
+each rank's tensors through torch DCP as safetensors (`storage.py`), a rank's state by parameter name
+(`named_state.py`: `RankState`, what loads into any topology), the training state beside the tensors
 (`train_state.py`), whole weights from a checkpoint (`export.py`) and files written whole or not at all when a disk
 fills up (`disk.py`). `json_text.py`, the one JSON writer of every file (no NaN or Infinity: null), sits on the ground
 floor: data/ and the scripts use it too.

@@ -15,7 +15,8 @@ small JSON files and, once every rank's part is on disk, the manifest. A checkpo
 `.tmp-step_*` and renamed after the manifest: a kill at any moment leaves the old set of checkpoints or the new
 one, never a half-written `step_*`. A write that fails on any rank (a full disk) stops every rank with the same
 line, after the temporary folder is removed (SaveFailure). Pruning keeps the newest `checkpoint.keep` by step
-number up to the step just written, and the checkpoint the run resumed from until a newer one has verified.
+up to the step just written, and the checkpoint the run resumed from until a newer one has verified (listing and
+pruning by the manifest's step: checkpoint/listing.py).
 Loading never unpickles: safetensors, JSON and YAML only. Checkpoints of earlier versions (whole
 `model.safetensors` + `optimizer.safetensors`) still load. Which checkpoint a run resumes from: run/resume.py.
 
@@ -27,7 +28,6 @@ the run, first wait for it. A kill during the background write leaves the previo
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import threading
@@ -48,33 +48,13 @@ from parallel_train import faults
 from parallel_train.checkpoint import storage
 from parallel_train.checkpoint.disk import as_os_error, free_bytes, human
 from parallel_train.checkpoint.json_text import json_text
+from parallel_train.checkpoint.listing import best_checkpoint, checkpoint_name, checkpoint_step, list_checkpoints, prune  # noqa: F401  (scripts and tests)
 from parallel_train.checkpoint.manifest import MANIFEST, SHARD_DIR, fsync, record, refuse_code, verify, verify_spread, write_manifest  # noqa: F401  (checkpoint.verify: scripts and tests)
 from parallel_train.checkpoint.named_state import RankState, load_into, merge_meta, rank_tensors, templates
 from parallel_train.checkpoint.train_state import TrainingState
 from parallel_train.errors import UserError
 from parallel_train.parallel.collectives import all_gather, all_reduce_small, gather_to_rank0
 from parallel_train.parallel.collectives import rank as this_rank
-
-PREFIX = "step_"
-
-
-def checkpoint_name(step: int) -> str:
-    return f"{PREFIX}{step:07d}"
-
-
-def checkpoint_step(folder: Path) -> int | None:
-    """The step of a `step_NNNNNNN` folder (any number of digits), else None."""
-    digits = folder.name[len(PREFIX) :]
-    return int(digits) if folder.name.startswith(PREFIX) and digits.isdigit() else None
-
-
-def list_checkpoints(root: Path) -> list[Path]:
-    """Finished checkpoints (renamed from .tmp-*), oldest first by step number (names sort wrongly past 7 digits)."""
-    if not root.is_dir():
-        return []
-    found = [(step, p) for p in root.iterdir() if p.is_dir() and (step := checkpoint_step(p)) is not None]
-    return [p for step, p in sorted(found) if not faults.hidden(step, listing=True)]  # test-only: a stale listing
-
 
 # ---------------------------------------------------------------- save
 
@@ -251,16 +231,17 @@ class Checkpointer:
         problem = attempt(lambda: records.update({n: record(tmp, n, self.rank) for n in [f"{SHARD_DIR}/{w}" for w in written] + own}))
         self.failed.agree(problem)
         merged = {name: rec for part in gather_to_rank0(records, self.group) for name, rec in part.items()}
-        self.failed.agree(attempt(lambda: self._seal(tmp, final, merged), MANIFEST) if self.rank == 0 else None)
+        self.failed.agree(attempt(lambda: self._seal(step, tmp, final, merged), MANIFEST) if self.rank == 0 else None)
         if self.protect is not None and verify_spread(final, self.rank, self.failed.world, self.group) is None:
             self.protect = None  # a newer checkpoint verified: the one this run resumed from may go now
         if self.rank == 0:
             prune(self.root, self.keep, protect=self.protect, keep_best=self.keep_best, upto=step)
         self._barrier()
 
-    def _seal(self, tmp: Path, final: Path, records: dict[str, Any]) -> None:
-        """Rank 0: the manifest, then the rename that makes the checkpoint exist."""
-        write_manifest(tmp, records)
+    def _seal(self, step: int, tmp: Path, final: Path, records: dict[str, Any]) -> None:
+        """Rank 0: the manifest (with the step: the folder's name only repeats it), then the rename that makes the
+        checkpoint exist."""
+        write_manifest(tmp, records, step)
         if final.exists():  # the same step saved again (e.g. a resumed run that ends where it started)
             old = self.root / f".tmp-old-{final.name}"  # moved aside, not deleted, until the new one is in place
             shutil.rmtree(old, ignore_errors=True)
@@ -287,35 +268,6 @@ class Checkpointer:
         if self.stager is not None:
             self.stager.close()
             self.stager = None
-
-
-def best_checkpoint(root: Path) -> Path | None:
-    """The checkpoint with the lowest val loss among those evaluated at their own step."""
-    best, best_loss = None, math.inf
-    for folder in list_checkpoints(root):
-        try:
-            st = json.loads((folder / "trainer_state.json").read_text())
-        except (OSError, ValueError):
-            continue
-        loss = st.get("final_val_loss")
-        if st.get("final_val_step") == st.get("step") and isinstance(loss, (int, float)) and loss < best_loss:
-            best, best_loss = folder, loss
-    return best
-
-
-def prune(root: Path, keep: int, protect: Path | None = None, keep_best: bool = False, upto: int | None = None) -> None:
-    """Keep the newest `keep` checkpoints by step number up to step `upto` (the one just written), `protect` (the one
-    this run resumed from, until a newer one verified), and with `keep_best` the one with the lowest val loss.
-    Checkpoints after `upto` (left by a run this one does not continue: resume=PATH to an older step) are not
-    pruned: this run has not replaced them yet."""
-    spared = {p.resolve() for p in (protect, best_checkpoint(root) if keep_best else None) if p is not None}
-    ours = [p for p in list_checkpoints(root) if upto is None or (checkpoint_step(p) or 0) <= upto]
-    for old in ours[:-keep]:
-        if old.resolve() in spared:
-            continue
-        shutil.rmtree(old, ignore_errors=True)
-    for stale in root.glob(".tmp-*"):  # left by a run killed mid-save
-        shutil.rmtree(stale, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- load

@@ -27,7 +27,9 @@ from parallel_train.parallel.collectives import all_gather, from_rank0
 
 MANIFEST = "manifest.json"
 SHARD_DIR = "shards"  # each rank's model and optimizer tensors (checkpoint/storage.py); nothing else goes there
-FORMAT = 2  # 1: whole model.safetensors + optimizer.safetensors (no format key); 2: per-rank shards
+# 1: whole model.safetensors + optimizer.safetensors (no format key); 2: per-rank shards. The "step" key came later
+# within format 2: a reader of either kind goes on without it (the folder's name is then the step), so no new format.
+FORMAT = 2
 
 
 def sha256(path: Path) -> str:
@@ -55,16 +57,28 @@ def record(folder: Path, name: str, rank: int) -> dict[str, Any]:
     return {"size": path.stat().st_size, "sha256": sha256(path), "rank": rank}
 
 
-def write_manifest(folder: Path, records: dict[str, dict[str, Any]] | None = None) -> None:
+def write_manifest(folder: Path, records: dict[str, dict[str, Any]] | None = None, step: int | None = None) -> None:
     """The main process, once every rank's files are on disk: `records` from the ranks that wrote them; any other
-    file (the JSON the main process wrote) is hashed here. Then the manifest, flushed with the folders."""
+    file (the JSON the main process wrote) is hashed here. Then the manifest, flushed with the folders. `step`: the
+    checkpoint's step, which its folder's name only repeats (a folder can be copied or renamed; checkpoint/listing.py)."""
     files = {name: (records or {}).get(name) or record(folder, name, 0) for name in files_of(folder)}
     faults.in_seal(str(folder))  # test-only: a kill here must leave the old set of checkpoints (the rename comes after)
-    (folder / MANIFEST).write_text(json_text({"format": FORMAT, "files": files}, indent=1))
+    head = {"format": FORMAT, **({"step": step} if step is not None else {})}
+    (folder / MANIFEST).write_text(json_text({**head, "files": files}, indent=1))
     fsync(folder / MANIFEST)
     for sub in {(folder / n).parent for n in files}:
         fsync(sub)
     fsync(folder)
+
+
+def manifest_step(folder: Path) -> int | None:
+    """The step `folder`'s manifest records; None when it records none (checkpoints of earlier versions: the folder's
+    name is then all there is) or cannot be read (verify says what is wrong with it)."""
+    try:
+        step = json.loads((folder / MANIFEST).read_text()).get("step")
+    except (OSError, ValueError, AttributeError, UnicodeDecodeError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def _outside(name: str) -> bool:

@@ -9,7 +9,10 @@ chosen checkpoint stops the run with one line naming that rank and the file, on 
 
 `resume=auto` never starts a run over: when `checkpoints/` holds checkpoints and none of them verifies, the run
 stops with one line naming each one and what is wrong with it, and nothing in output_dir is deleted or written.
-With no checkpoint at all (a first launch, or a run killed before its first save) it starts fresh.
+With no checkpoint at all (a first launch, or a run killed before its first save) it starts fresh; a run that
+finished there is not started again (run/finished.py decides that before this module is asked). Checkpoints are
+taken in the order of the steps their manifests record: a folder whose name says another step (copied or renamed)
+is skipped with a notice (checkpoint/listing.py), and when only such folders are there the run stops in one line.
 
 Works without a process group too (scripts, one process): rank 0 is then every rank.
 """
@@ -21,7 +24,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from parallel_train.checkpoint.checkpointer import list_checkpoints
+from parallel_train.checkpoint.listing import list_checkpoints, misnamed_notice, scan
 from parallel_train.checkpoint.manifest import MANIFEST, verify_spread
 from parallel_train.errors import UserError
 from parallel_train.parallel.collectives import from_rank0
@@ -31,18 +34,35 @@ def rank_and_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
-def candidates(resume: str, root: Path) -> tuple[list[Path], bool]:
-    """Rank 0: the checkpoints to try, newest first, and whether the user named one (then it must verify)."""
+def newest_first(root: Path) -> tuple[list[Path], list[str]]:
+    """Rank 0: a checkpoints/ folder's checkpoints, newest first by their manifests' steps, and a notice for each
+    folder whose name disagrees with its manifest (checkpoint/listing.py: never taken, never pruned)."""
+    found, misnamed = scan(root)
+    if misnamed and not found:  # resume=auto never starts a run over, not even past checkpoints it will not take
+        each = ", ".join(f"{folder.name} holds step {step}" for folder, step in misnamed)
+        raise UserError(
+            f"resume=auto: {root} holds no checkpoint whose name is its step ({each}: copied or renamed?), so the run does "
+            "not start over: continue from one with resume=PATH (it resumes at the step it holds), or start afresh with "
+            "a new output_dir; nothing in output_dir was changed"
+        )
+    return list(reversed(found)), [misnamed_notice(folder, step) for folder, step in misnamed]
+
+
+def candidates(resume: str, root: Path) -> tuple[list[Path], bool, list[str]]:
+    """Rank 0: the checkpoints to try, newest first, whether the user named one (then it must verify), and the
+    notices about folders left out."""
     if resume == "auto":
-        return list(reversed(list_checkpoints(root))), False
+        paths, notices = newest_first(root)
+        return paths, False, notices
     path = Path(resume)
     if not path.exists():
         raise UserError(f"resume: no such checkpoint {resume!r}; use resume=auto, resume=none or a checkpoints/step_* folder")
     if path.is_dir() and not (path / MANIFEST).exists() and list_checkpoints(path / "checkpoints"):
-        return list(reversed(list_checkpoints(path / "checkpoints"))), False  # a run folder: its newest valid one
+        paths, notices = newest_first(path / "checkpoints")  # a run folder: its newest valid one
+        return paths, False, notices
     if not path.is_dir():
         raise UserError(f"resume: {resume!r} is not a valid checkpoint (not a folder)")
-    return [path], True
+    return [path], True, []  # its own step, whatever its name says: loading reads the step from trainer_state.json
 
 
 def choose_checkpoint(resume: str, root: Path, warn: Callable[[str], None]) -> Path | None:
@@ -55,13 +75,15 @@ def choose_checkpoint(resume: str, root: Path, warn: Callable[[str], None]) -> P
     plan: dict | None = None
     if rank == 0:
         try:
-            paths, named = candidates(resume, root)
-            plan = {"paths": [str(p) for p in paths], "named": named}
+            paths, named, notices = candidates(resume, root)
+            plan = {"paths": [str(p) for p in paths], "named": named, "notices": notices}
         except UserError as e:
             plan = {"error": str(e)}
     plan = from_rank0(plan)
     if "error" in plan:
         raise UserError(plan["error"])
+    for notice in plan["notices"]:
+        warn(notice)
     skipped: list[tuple[Path, str]] = []
     for path in map(Path, plan["paths"]):
         problem = verify_spread(path, rank, world)

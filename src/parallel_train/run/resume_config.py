@@ -85,16 +85,21 @@ def saved_config(checkpoint: Path) -> dict[str, Any] | None:
     return flatten(data)
 
 
+def differences(saved: dict[str, Any], cfg: Config) -> dict[str, tuple[Any, Any]]:
+    """key -> (the saved flat config's value, this run's) for every key both have and that differs."""
+    now = flatten(cfg.to_dict())
+    # A key this run does not read (config/usage.py: train.weight_decay under SGD) defines nothing; the key that
+    # decides whether it is read (train.optimizer) is compared itself.
+    return {k: (saved[k], now[k]) for k in sorted(now.keys() & saved.keys()) if saved[k] != now[k] and is_read(cfg, k)}
+
+
 def config_changes(checkpoint: Path, cfg: Config) -> dict[str, tuple[Any, Any]]:
     """key -> (checkpoint's value, this run's) for every key that changed and may change; raises UserError naming
     the keys that may not. Keys one of the two configs lacks (another model's, another version's) are not compared."""
     saved = saved_config(checkpoint)
     if saved is None:
         return {}
-    now = flatten(cfg.to_dict())
-    # A key this run does not read (config/usage.py: train.weight_decay under SGD) defines nothing; the key that
-    # decides whether it is read (train.optimizer) is compared itself.
-    changed = {k: (saved[k], now[k]) for k in sorted(now.keys() & saved.keys()) if saved[k] != now[k] and is_read(cfg, k)}
+    changed = differences(saved, cfg)
     refused = [k for k in changed if not may_change(k)]
     if refused:
         what = ", ".join(f"{k} ({changed[k][0]!r} in the checkpoint, {changed[k][1]!r} now)" for k in refused)
