@@ -53,9 +53,10 @@ def host_allocator_thresholds(shards_parameters: bool) -> tuple[int, int]:
     heap keeps them, and rank 0 of a 302M-parameter GPT at its first step stood 24% above its share of the state on
     2 FSDP2 processes and 44% on 4 (3,423 MB against 2,758; 2,310 against 1,604). glibc's own dynamic threshold
     keeps them too (it rises to 32 MiB once such a block is freed). There blocks from 1 MiB up get their own mmap,
-    unmapped when freed: 2,768 MB on 2 processes (0.4% over), the same as 128 KiB (2,765); the trim threshold
-    made no difference and stays, and smaller blocks stay on the heap, so a step does not fault its small
-    activations in again. Pipelines keep the 32 MiB: each stage holds its layers whole, as one process does.
+    unmapped when freed: 2,768 MB on 2 processes, 1,614 on 4 (under 1% over; 128 KiB gave 2,765, 4 MiB 2,779);
+    tensor parallel over 2, 2,832 MB against 3,049 with 32 MiB. A low trim threshold made no difference, so it
+    stays, and smaller blocks stay on the heap: a step does not fault its small activations in again. Pipelines
+    keep 32 MiB (not measured: each stage holds its layers whole, as one process does).
     """
     return MMAP_FROM[shards_parameters], TRIM_ONLY_PAST
 
