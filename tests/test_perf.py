@@ -21,7 +21,8 @@ from parallel_train.data.text import build_datasets
 from parallel_train.data.tokenizers import ByteVocab, CharVocab, load_vocab
 from parallel_train.errors import UserError
 from parallel_train.models.gpt import GPT
-from parallel_train.observe.perf import keep_freed_host_memory, mfu, peak_flops, process_age_s
+from parallel_train.observe.perf import host_allocator_thresholds, mfu, peak_flops, process_age_s, set_host_allocator
+from parallel_train.parallel.build import shards_parameters
 from parallel_train.parallel.launch_env import cpu_threads
 
 IMPORTED = time.monotonic()  # this process has lived at least this long when a test runs
@@ -107,17 +108,49 @@ def test_activation_checkpointing_gives_identical_loss_and_gradients():
         torch.testing.assert_close(grads[1][name], g, rtol=1e-5, atol=1e-7, msg=name)
 
 
+@pytest.mark.parametrize(
+    "keys, world, sharded",
+    [
+        ([], 1, False),  # one process: the setting whose step time was measured
+        ([], 2, False),  # DDP
+        (["parallel.pipeline_stages=2"], 2, False),  # each stage whole on its rank
+        (["parallel.pipeline_stages=2", "parallel.stage_devices=[cpu,cpu]"], 1, False),
+        (["parallel.dp_shard=2"], 2, True),  # FSDP2
+        (["parallel.dp_replicate=2", "parallel.dp_shard=2"], 4, True),  # HSDP
+        (["parallel.tp=2"], 2, True),
+        (["parallel.dp_shard=2", "parallel.pipeline_stages=2"], 4, True),
+    ],
+)
+def test_the_host_allocator_returns_what_sharding_frees(monkeypatch, keys, world, sharded):
+    """observe/perf.py: one process and DDP keep freed blocks up to 32 MiB for the next step (their step time);
+    where parameters are sharded, blocks from 1 MiB up are handed back when freed, or rank 0 of 2x / 4x FSDP2 holds
+    24% / 44% more than its share at the first step (docs/BENCHMARKS.md "Start memory"). Decided from the config
+    and the world size alone: every rank alike, before anything big is allocated."""
+    for key in [k for k in os.environ if k.startswith("PARALLELISM_CONFIG_")] + ["ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"]:
+        monkeypatch.delenv(key, raising=False)
+    cfg, _ = load_config(keys)
+    assert shards_parameters(cfg, world) is sharded
+    mmap_threshold, trim_threshold = host_allocator_thresholds(sharded)
+    assert mmap_threshold == (1 << 20 if sharded else 32 << 20)
+    assert trim_threshold == 1 << 30  # the heap's top is kept on every layout: a step's small blocks never fault again
+
+
 def test_the_host_allocator_setting_leaves_the_users_own_alone(monkeypatch):
     """observe/perf.py fixes glibc's thresholds unless the user set them (docs/BENCHMARKS.md "Start memory" measures
-    live memory that way): a setting of theirs is never silently overridden."""
+    live memory that way): a setting of theirs is never silently overridden, on any layout."""
     for key in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES"):
         monkeypatch.delenv(key, raising=False)
-    assert keep_freed_host_memory()  # glibc on Linux, as CI and this machine run
-    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
-    assert not keep_freed_host_memory()
-    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
-    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=131072")
-    assert not keep_freed_host_memory()
+    try:
+        assert set_host_allocator(shards_parameters=True) == (1 << 20, 1 << 30)  # glibc on Linux, as CI and this machine run
+        for sharded in (False, True):
+            monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
+            assert set_host_allocator(sharded) is None
+            monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
+            monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=131072")
+            assert set_host_allocator(sharded) is None
+            monkeypatch.delenv("GLIBC_TUNABLES")
+    finally:
+        assert set_host_allocator() == (32 << 20, 1 << 30)  # this test process keeps the one-process setting
 
 
 def test_threads_share_the_usable_cores_among_the_nodes_processes_unless_the_user_chose():

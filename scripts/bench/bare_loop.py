@@ -39,15 +39,15 @@ import torch.nn.functional as F  # noqa: E402
 from parallel_train.config.load import load_config  # noqa: E402
 from parallel_train.data.batch_sampler import GlobalBatchSampler  # noqa: E402
 from parallel_train.models.gpt import GPT  # noqa: E402
-from parallel_train.observe.perf import keep_freed_host_memory  # noqa: E402
+from parallel_train.observe.perf import set_host_allocator  # noqa: E402
 from parallel_train.optim import build_optimizer, lr_at  # noqa: E402
 from parallel_train.parallel.model_init import start_model  # noqa: E402
 
 
 def main(argv: list[str]) -> None:
-    if "--keep-freed-memory" in argv:  # the one host-side setting train.py makes (perf.keep_freed_host_memory)
+    if "--keep-freed-memory" in argv:  # the one host-side setting train.py makes (perf.set_host_allocator; DDP's)
         argv = [a for a in argv if a != "--keep-freed-memory"]
-        keep_freed_host_memory()
+        set_host_allocator()
     mode = "ddp"
     if "--mode" in argv:
         i = argv.index("--mode")

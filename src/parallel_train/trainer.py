@@ -43,7 +43,7 @@ from parallel_train.observe.plots import PICTURE, plot_runs
 from parallel_train.observe.tracking import MetricsLog, finish_trackers, init_trackers, prepare_tracker_env
 from parallel_train.optim import build_optimizer, build_scheduler
 from parallel_train.parallel.accelerator import deepspeed_runs, make_accelerator, requested_precision
-from parallel_train.parallel.build import build_engine, describe, splits_the_model
+from parallel_train.parallel.build import build_engine, describe, shards_parameters, splits_the_model
 from parallel_train.parallel.model_init import Whole, start_model
 from parallel_train.parallel.precision import make_precision
 from parallel_train.run.export_dir import write_folders
@@ -121,7 +121,7 @@ class Trainer:
         self.changes = config_changes(self.resume_from, cfg) if self.resume_from else {}
         self.device = self.accelerator.device
         self.precision = make_precision(requested_precision(cfg), self.device, self.accelerator.num_processes, deepspeed_runs())
-        configure_backends(cfg.train, self.device)
+        configure_backends(cfg.train, self.device, shards_parameters(cfg, self.accelerator.num_processes))
         say(
             f"[parallel_train] {describe(self.accelerator)} | world size {self.accelerator.num_processes} | device {self.device} | "
             f"threads {torch.get_num_threads()} | "

@@ -20,10 +20,11 @@ PEAK_TFLOPS = {
 }
 
 
-def configure_backends(cfg: TrainConfig, device: torch.device) -> None:
-    """Host allocator (below); TF32 tensor cores for fp32 matmuls/convolutions on GPU (train.tf32): about 8x
-    an fp32 matmul on A100/H100 at a 10-bit mantissa, which training tolerates."""
-    keep_freed_host_memory()
+def configure_backends(cfg: TrainConfig, device: torch.device, shards_parameters: bool = False) -> None:
+    """Host allocator (below; `shards_parameters`: FSDP2, HSDP or tensor parallel on this launch); TF32 tensor cores
+    for fp32 matmuls/convolutions on GPU (train.tf32): about 8x an fp32 matmul on A100/H100 at a 10-bit mantissa,
+    which training tolerates."""
+    set_host_allocator(shards_parameters)
     if device.type == "cuda":
         precision = "tf32" if cfg.tf32 else "ieee"
         torch.backends.cuda.matmul.fp32_precision = precision
@@ -33,29 +34,51 @@ def configure_backends(cfg: TrainConfig, device: torch.device) -> None:
 # glibc's mallopt parameters (malloc.h), and the variables by which a user sets them (then left alone)
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 USER_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+TRIM_ONLY_PAST = 1 << 30  # free bytes at the top of the heap before glibc hands them back (every layout)
+MMAP_FROM = {False: 32 << 20, True: 1 << 20}  # blocks this big or bigger get their own mmap, by shards_parameters
 
 
-def keep_freed_host_memory() -> bool:
-    """Let glibc keep freed memory for the next step instead of handing it back to the kernel.
+def host_allocator_thresholds(shards_parameters: bool) -> tuple[int, int]:
+    """glibc's (mmap threshold, trim threshold) for a layout: keep freed memory for the next step, except the
+    blocks that sharding exists to free.
 
     A training step frees and allocates the same few MB of activations every step. By default glibc trims
     the heap once a little of its top is free and serves large blocks with fresh mmaps, so every step
     page-faults that memory in again: about 1,000 faults and 1.5-3 ms of kernel time per step on the CPU
-    baseline (5-10% of the step; see docs/BENCHMARKS.md). Fixed thresholds (blocks up to 32 MiB from the
-    heap, trim only past 1 GiB free) remove that; the cost is that resident memory stays near its peak (for a
-    large model on CPU processes, hundreds of MB above what is live: docs/BENCHMARKS.md "Start memory").
-    Returns False where the C library is not glibc, or where the user set glibc's own thresholds
-    (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, GLIBC_TUNABLES=glibc.malloc...): theirs stand.
+    baseline (5-10% of the step; docs/BENCHMARKS.md "Template overhead"). Fixed thresholds (blocks up to 32 MiB
+    from the heap, trim only past 1 GiB free) remove that; one process and DDP keep them.
+
+    Where parameters are sharded (FSDP2, HSDP, tensor parallel) the same 32 MiB hides what sharding saves: a step
+    makes full-size blocks and frees them (a block's unsharded gradients, 4-16 MiB each in a 1024-wide GPT), the
+    heap keeps them, and rank 0 of a 302M-parameter GPT at its first step stood 24% above its share of the state on
+    2 FSDP2 processes and 44% on 4 (3,423 MB against 2,758; 2,310 against 1,604). glibc's own dynamic threshold
+    keeps them too (it rises to 32 MiB once such a block is freed). There blocks from 1 MiB up get their own mmap,
+    unmapped when freed: 2,768 MB on 2 processes, 1,614 on 4 (under 1% over; 128 KiB gave 2,765, 4 MiB 2,779);
+    tensor parallel over 2, 2,832 MB against 3,049 with 32 MiB. A low trim threshold made no difference, so it
+    stays, and smaller blocks stay on the heap: a step does not fault its small activations in again (the default
+    job's 1.5 MiB MLP activations are faulted in again under FSDP2: about 700 faults per rank per step). Pipelines
+    keep 32 MiB (not measured: each stage holds its layers whole, as one process does).
     """
+    return MMAP_FROM[shards_parameters], TRIM_ONLY_PAST
+
+
+def set_host_allocator(shards_parameters: bool = False) -> tuple[int, int] | None:
+    """Give glibc the thresholds above; the ones set, or None where the C library is not glibc or where the user
+    set glibc's own thresholds (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, GLIBC_TUNABLES=glibc.malloc...):
+    theirs stand. Called before the model is built, from the config and the world size, so every rank decides
+    alike and the big blocks are placed by the thresholds from the first."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
+        return None
     if any(k in os.environ for k in USER_MALLOC_ENV) or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
-        return False
+        return None
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):
-        return False
-    return bool(mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(M_TRIM_THRESHOLD, 1 << 30))
+        return None
+    mmap_threshold, trim_threshold = host_allocator_thresholds(shards_parameters)
+    if mallopt(M_MMAP_THRESHOLD, mmap_threshold) and mallopt(M_TRIM_THRESHOLD, trim_threshold):
+        return mmap_threshold, trim_threshold
+    return None
 
 
 def peak_flops(device: torch.device, precision: str, cfg: TrainConfig) -> float | None:

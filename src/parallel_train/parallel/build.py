@@ -22,7 +22,7 @@ from parallel_train.config.sections import Config
 from parallel_train.errors import UserError
 from parallel_train.parallel.ddp_engine import DataParallelEngine, OptimizerFactory
 from parallel_train.parallel.engine import Engine
-from parallel_train.parallel.mesh import resolve_layout
+from parallel_train.parallel.mesh import MeshLayout, resolve_layout
 from parallel_train.parallel.mesh_engine import MeshEngine
 from parallel_train.parallel.pipeline.distributed import MultiProcessPipelineEngine
 from parallel_train.parallel.pipeline.inprocess import InProcessPipelineEngine
@@ -36,12 +36,22 @@ def data_parallel_size(cfg: Config, world: int) -> int:
     return resolve_layout(cfg, world).dp
 
 
+def multi_process_layout(cfg: Config, world: int) -> MeshLayout | None:
+    """The mesh of a launch over several processes; None for one process (all its stages in it, if any)."""
+    return None if cfg.parallel.stage_devices or world == 1 else resolve_layout(cfg, world)
+
+
 def splits_the_model(cfg: Config, world: int) -> bool:
     """Whether no rank is meant to hold the whole model: pipeline stages over processes, FSDP2, tensor parallel."""
-    if cfg.parallel.stage_devices or world == 1:
-        return False
-    layout = resolve_layout(cfg, world)
-    return layout.pp > 1 or layout.sharded
+    layout = multi_process_layout(cfg, world)
+    return layout is not None and (layout.pp > 1 or layout.sharded)
+
+
+def shards_parameters(cfg: Config, world: int) -> bool:
+    """Whether each rank holds a slice of every parameter (FSDP2, HSDP, tensor parallel): the host allocator's
+    choice (observe/perf.py). From the config and the world size alone, so every rank decides alike."""
+    layout = multi_process_layout(cfg, world)
+    return layout is not None and layout.sharded
 
 
 def build_engine(cfg: Config, accelerator, model: nn.Module, init, make_optimizer: OptimizerFactory, precision: Precision, probe) -> Engine:
