@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Memory per rank of a training run, before launching it: parameters, gradients, optimizer state and
-activations (with and without activation checkpointing) for the mesh the keys describe, and whether it fits.
+activations (as model.activation_checkpointing keeps them, and fully checkpointed) for the mesh the keys describe, and whether it fits.
 
     python scripts/estimate_memory.py --world 8 --device h100 --config configs/gpt2_124m.yaml parallel.dp_shard=4 parallel.tp=2
     python scripts/estimate_memory.py --world 2 parallel.tp=2                     # the default model, 2 processes
@@ -45,6 +45,11 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, rest
 
 
+def _checkpointing(cfg) -> str:
+    mode = getattr(cfg.model, "activation_checkpointing", "none")
+    return f"{mode} ({cfg.model.selective_ac})" if mode == "selective" else mode
+
+
 def report(cfg, layout, ranks, capacity_gib: float, device: str, total_params: int) -> str:
     from parallel_train.parallel.memory_estimate import USABLE
 
@@ -59,10 +64,10 @@ def report(cfg, layout, ranks, capacity_gib: float, device: str, total_params: i
     lines = [
         f"mesh {layout.describe()} ({layout.world} processes) | {cfg.model.name}: {total_params / 1e6:.2f}M parameters | "
         f"micro-batch {cfg.train.batch_size // (p.microbatches if layout.pp > 1 else 1)} | precision {cfg.train.mixed_precision} | "
-        f"optimizer {cfg.train.optimizer}",
+        f"optimizer {cfg.train.optimizer} | activation checkpointing {_checkpointing(cfg)}",
         "",
         f"| pipeline rank | stages | parameters held | parameters {unit} | gradients {unit} | optimizer {unit} | FSDP buffers {unit} | "
-        f"working {unit} | activations {unit} | total {unit} | activations, checkpointed | total, checkpointed |",
+        f"working {unit} | activations {unit} | total {unit} | activations, full checkpointing | total, full checkpointing |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in ranks:

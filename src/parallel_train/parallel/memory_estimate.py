@@ -5,38 +5,43 @@ How, without the devices: a fake process group of the world size (torch's test b
 collectives do nothing), the model built on the meta device (shapes, no memory), then cut by
 `sharding.parallelize` exactly as a run cuts it, stage by stage for a pipeline. So the parameter count per rank
 is not a formula beside the code: it is what a run with this config reports as `local_param_numel`.
-Activations: one forward of a micro-batch under FakeTensorMode (shapes only, any size), counting the bytes of
-every tensor autograd saves for backward (parameters excluded), attributed to the model's parts.
+Activations: one forward of a micro-batch under FakeTensorMode (shapes only, any size), cut as the engine cuts it
+(the whole model on the mesh; stage by stage in a pipeline), counting what is still alive when the loss is computed
+(parallel/activation_memory.py), by part of the model: what the run's own activation checkpointing keeps (none, full,
+selective op or every N-th block), in the engine's precision (FSDP2's bf16 policy: bf16 activations; autocast
+elsewhere: an fp32 residual stream beside bf16 copies). A second forward without checkpointing gives what backward
+recomputes, one checkpointed block at a time, and the "checkpointed" figure (model.activation_checkpointing=full:
+each block keeps its input).
 
-What the figures assume, stated: fp32 parameters and gradients (mixed precision is autocast: its bf16 copies
-are activations); AdamW keeps two fp32 moments per parameter, SGD none. The peak is the larger of the start of
-backward (activations and scratch, no gradients: each step sets them to None) and its end (all gradients),
-or both together when gradients accumulate over micro-steps or pipeline micro-batches. FSDP2 holds the whole
-parameters of about two blocks at a time (one computing, one prefetched); a pipeline stage holds the
-activations of M micro-batches under gpipe and of at most min(M, S) under the other schedules (1F1B's bound;
-the interleaved and V schedules' warm-up can hold a few more). Full activation checkpointing keeps each block's
-input and recomputes one block at a time in backward; the selective mode (model.activation_checkpointing=selective)
-is not modelled yet: it keeps less than none and more than full, and the estimate shows those two. Backward needs scratch beside them: the gradient of the
-largest saved tensor and of its input (for a language model, the log-probabilities over the vocabulary:
-2 x batch x context x vocab x 4 bytes), counted as "working".
+What the figures assume, stated: fp32 parameters, gradients and optimizer state (AdamW: two moments per parameter,
+SGD none); FSDP2 gathers copies in its policy's dtype: two blocks at a time (one computing, one prefetched) plus the
+root's own parameters (embeddings, head). In a pipeline, torch's PipelineStage keeps an FSDP2 stage unsharded from
+its first backward to the last (whole parameters, and whole fp32 gradients accumulating), and holds the micro-batches
+its schedule has in flight: torch's own order of actions, walked (pipeline/in_flight.py). The peak is the larger
+of the start of backward (activations and scratch, no gradients: each step sets them to None) and its end (all
+gradients), or both together when gradients accumulate over micro-steps or pipeline micro-batches. Backward needs
+scratch beside them: the gradient of the largest tensor a part keeps and of its input (for a language model, the
+log-probabilities over the vocabulary: 2 x batch x context x vocab x 4 bytes), counted as "working".
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
 
 from parallel_train.config.sections import Config
-from parallel_train.losses import loss_fn
 from parallel_train.models import build_model
-from parallel_train.models.activation_checkpoint import Checkpointing
+from parallel_train.parallel.activation_memory import PartBytes, block_names, kept_per_part
 from parallel_train.parallel.mesh import MeshLayout, build_device_mesh, resolve_layout
 from parallel_train.parallel.parts import fsdp_units, model_units
+from parallel_train.parallel.pipeline.in_flight import in_flight_bytes
 from parallel_train.parallel.pipeline.placement import stages_of_rank, stages_per_rank
 from parallel_train.parallel.pipeline.split import plan_stages, stage_module
+from parallel_train.parallel.precision import DTYPES
 from parallel_train.parallel.sharding import local_numel, parallelize
 
 GIB = 2**30
@@ -68,13 +73,13 @@ class RankMemory:
     optimizer: int
     fsdp_buffers: int
     working: int  # backward's scratch: the gradients of the largest saved tensor and of its input
-    activations: int
-    activations_ckpt: int | None  # with model.activation_checkpointing=full (None: the model has no such switch)
+    activations: int  # at the peak, as the run keeps them (its model.activation_checkpointing)
+    activations_ckpt: int | None  # with model.activation_checkpointing=full instead
     accumulating: bool = False  # gradient accumulation: the gradients outlive a micro-step, beside its activations
     breakdown: dict[str, int] = field(default_factory=dict)  # activation bytes per part of the model, per micro-batch
 
     def total(self, checkpointing: bool = False) -> int:
-        """The peak: at the start of backward (activations and scratch, no gradients yet: the optimizer step
+        """The peak (`checkpointing`: with model.activation_checkpointing=full instead of the run's mode): at the start of backward (activations and scratch, no gradients yet: the optimizer step
         sets them to None) or at its end (all gradients), whichever is larger; both at once when accumulating."""
         act = self.activations_ckpt if checkpointing and self.activations_ckpt is not None else self.activations
         backward = self.grads + act + self.working if self.accumulating else max(act + self.working, self.grads)
@@ -103,8 +108,29 @@ def _stage_plan(cfg: Config, model: nn.Module, layout: MeshLayout) -> list[list[
     return plan_stages(model, layout.pp * stages_per_rank(p.schedule, p.stages_per_rank), spec)
 
 
-def _held(cfg: Config, layout: MeshLayout, vocab_size: int, mesh) -> list[tuple[list[int], int, int]]:
-    """Per pipeline rank: (its stages, parameter elements it holds, bytes of the largest FSDP unit whole)."""
+def _fsdp(layout: MeshLayout) -> bool:
+    """Whether the run's engine puts FSDP2 over the data-parallel axes: the mesh engine when the layout shards, the
+    pipeline engine over any data-parallel replicas (parallel/build.py, pipeline/distributed.py)."""
+    return layout.dp > 1 and (layout.pp > 1 or layout.sharded)
+
+
+def _precision(cfg: Config, layout: MeshLayout):
+    """(FSDP2's MixedPrecisionPolicy or None, the autocast dtype or None), as the engines pick them
+    (parallel/precision.py): under FSDP2 the policy casts the parameters and nothing autocasts; elsewhere autocast."""
+    dtype = DTYPES.get(cfg.train.mixed_precision)
+    if dtype is None:
+        return None, None
+    if _fsdp(layout):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32), None
+    return None, dtype
+
+
+def _held(cfg: Config, layout: MeshLayout, vocab_size: int, mesh) -> tuple[list[list[str]], list[tuple[list[int], int, int]]]:
+    """The stages (their parts' names) and per pipeline rank: (its stages, parameter elements it holds, elements FSDP2 gathers whole at once: two blocks
+    (one computing, one prefetched) and the root's own parameters (embeddings, final norm, head), which its group
+    gathers for the forward and again from the start of backward to its end)."""
     with torch.device("meta"):
         model = build_model(cfg.model, vocab_size)
     plan = _stage_plan(cfg, model, layout)
@@ -118,9 +144,10 @@ def _held(cfg: Config, layout: MeshLayout, vocab_size: int, mesh) -> list[tuple[
             for view in views:
                 parallelize(view, mesh, layout)  # the run's own code: what each rank holds is what it holds here
         held = sum(local_numel(v) for v in views)
-        unit_bytes = max((local_numel(u) * layout.dp_shard * 4 for u in units), default=0) if layout.dp_shard > 1 else 0
-        out.append((ids, held, unit_bytes))
-    return out
+        blocks = [local_numel(u) for u in units]
+        gathered = (2 * max(blocks, default=0) + held - sum(blocks)) * layout.dp_shard if layout.dp_shard > 1 else 0
+        out.append((ids, held, gathered))
+    return plan, out
 
 
 def _loss_context(model: nn.Module):
@@ -134,73 +161,65 @@ def _loss_context(model: nn.Module):
     return loss_parallel()
 
 
-def saved_bytes_per_part(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast_dtype
-) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
-    """Bytes autograd saves for backward during one training forward (and the loss), by top-level part of the
-    model; the bytes of each part's input; the largest single saved tensor of each part. Run on fake tensors:
-    nothing is allocated."""
-    units = model_units(model)
-    params = {q.untyped_storage()._cdata for q in model.parameters()}
-    params |= {q.to_local().untyped_storage()._cdata for q in model.parameters() if hasattr(q, "to_local")}
-    current, saved, inputs = ["loss"], {}, {}
-
-    def enter(name):
-        def hook(module, args):
-            current[0] = name
-            inputs[name] = sum(a.numel() * a.element_size() for a in args if torch.is_tensor(a))
-
-        return hook
-
-    def pack(t):
-        # A DTensor saves its local slice: that is what occupies this rank's memory.
-        s = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
-        if s._cdata not in params:
-            saved.setdefault(s._cdata, (current[0], s))
-        return t
-
-    handles = [module.register_forward_pre_hook(enter(name)) for name, module in units.items()]
-    amp = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp, _loss_context(model):
-            out = model(x)
-            current[0] = "loss"
-            loss_fn(out, y)
-    finally:
-        for h in handles:
-            h.remove()
-    per_part: dict[str, int] = {}
-    largest: dict[str, int] = {}
-    for part, storage in saved.values():  # sizes after the forward: FSDP freed the whole weights it gathered
-        per_part[part] = per_part.get(part, 0) + storage.nbytes()
-        largest[part] = max(largest.get(part, 0), storage.nbytes())
-    return per_part, inputs, largest
-
-
-def _activations(
-    cfg: Config, layout: MeshLayout, vocab_size: int, mesh, sample
-) -> tuple[dict[str, int], dict[str, int], dict[str, int], bool]:
-    """Activation bytes per part of the model for one micro-batch on rank 0's slice of the mesh."""
+def _activations(cfg: Config, layout: MeshLayout, vocab_size: int, mesh, sample, model_cfg) -> PartBytes:
+    """Activation bytes per part of the model for one micro-batch on rank 0's slice of the mesh, with `model_cfg`'s
+    activation checkpointing, under the engine's precision (FSDP2's policy or autocast), cut as the engine cuts it:
+    the whole model by the mesh engine (loss parallel included), or stage by stage by the pipeline engine (each
+    stage cut on its own: no sequence parallel, the logits whole; parallel/sharding.py, models/hf_tensor_parallel.py)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     p = cfg.parallel
     micro = max(1, cfg.train.batch_size // (p.microbatches if layout.pp > 1 else 1))
     with torch.device("meta"):
-        model = build_model(cfg.model, vocab_size)
-    can_checkpoint = hasattr(model, "activation_checkpointing")
-    if can_checkpoint:
-        model.activation_checkpointing = Checkpointing()  # measured without; full checkpointing is derived from the parts
-    if layout.sharded:
-        # The mesh engine's cut, loss parallel included (a pipeline keeps its logits whole: parallel/sharding.py)
-        cut = MeshLayout(dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp)
-        parallelize(model, mesh, cut, loss_parallel=layout.tp > 1 and layout.pp == 1)
-    precision = cfg.train.mixed_precision
-    dtype = torch.bfloat16 if precision in ("bf16", "fp16") else None
+        model = build_model(model_cfg, vocab_size)
+    policy, autocast = _precision(cfg, layout)
+    blocks = block_names(model)
+    cut = MeshLayout(dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp)
+    views = [stage_module(model, names) for names in _stage_plan(cfg, model, layout)] if layout.pp > 1 else [model]
+    if layout.sharded or _fsdp(layout):
+        for view in views:
+            parallelize(
+                view, mesh, cut, mp_policy=policy, shard_data_parallel=_fsdp(layout), loss_parallel=layout.tp > 1 and layout.pp == 1
+            )
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        for view in views:  # a pipeline's stages one after the other, as the micro-batch goes through them
+            x = view(x)
+        return x
+
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
         x, y = (torch.stack([t] * micro) for t in sample)
-        per_part, inputs, largest = saved_bytes_per_part(model.train(), x, y, dtype)
-    return per_part, inputs, largest, can_checkpoint
+        return kept_per_part(model.train(), forward, x, y, autocast, _loss_context(model), blocks)
+
+
+def _no_checkpointing(model_cfg):
+    """The model's keys without activation checkpointing, or None when it has none to turn off."""
+    mode = getattr(model_cfg, "activation_checkpointing", "none")
+    return None if mode == "none" else dataclasses.replace(model_cfg, activation_checkpointing="none")
+
+
+def _rank_activations(cfg: Config, layout: MeshLayout, r: int, ids: list[int], plan, run: PartBytes, plain: PartBytes) -> tuple[int, int]:
+    """(activation bytes at this pipeline rank's peak as the run keeps them, the same with full checkpointing).
+    Micro-batches in flight as the schedule holds them (pipeline/in_flight.py), plus backward's recomputation of one
+    checkpointed block at a time (what it keeps without checkpointing, less what it kept)."""
+    p = cfg.parallel
+    last = len(plan) - 1
+
+    def parts(i: int) -> list[str]:
+        return plan[i] + (["loss"] if i == last else [])
+
+    def peak(per_part: dict[str, int]) -> int:
+        stage_bytes = {i: sum(per_part.get(n, 0) for n in parts(i)) for i in ids}
+        if layout.pp == 1:
+            return stage_bytes[0]
+        return in_flight_bytes(p.schedule, layout.pp, stages_per_rank(p.schedule, p.stages_per_rank), p.microbatches, r, stage_bytes)
+
+    mine = [n for i in ids for n in parts(i)]
+    blocks = [n for n in mine if n in plain.blocks]
+    recompute = max((plain.kept.get(n, 0) - run.kept.get(n, 0) for n in blocks), default=0)
+    full = {n: (plain.inputs.get(n, 0) if n in blocks else plain.kept.get(n, 0)) for n in mine}
+    return peak(run.kept) + max(0, recompute), peak(full) + max((plain.kept.get(n, 0) for n in blocks), default=0)
 
 
 def estimate(cfg: Config, world: int, vocab_size: int, sample: tuple[torch.Tensor, torch.Tensor]) -> tuple[MeshLayout, list[RankMemory]]:
@@ -209,38 +228,37 @@ def estimate(cfg: Config, world: int, vocab_size: int, sample: tuple[torch.Tenso
     layout = resolve_layout(cfg, world, env={})
     with fake_world(world):
         mesh = build_device_mesh(layout, "cpu")
-        held = _held(cfg, layout, vocab_size, mesh)
-        per_part, inputs, largest, can_checkpoint = _activations(cfg, layout, vocab_size, mesh, sample)
-    with torch.device("meta"):
-        plan = _stage_plan(cfg, build_model(cfg.model, vocab_size), layout)
-    p = cfg.parallel
-    in_flight = 1 if layout.pp == 1 else p.microbatches if p.schedule == "gpipe" else min(p.microbatches, layout.pp)
+        plan, held = _held(cfg, layout, vocab_size, mesh)
+        run = _activations(cfg, layout, vocab_size, mesh, sample, cfg.model)
+        plain_cfg = _no_checkpointing(cfg.model)
+        plain = run if plain_cfg is None else _activations(cfg, layout, vocab_size, mesh, sample, plain_cfg)
+    policy, _ = _precision(cfg, layout)
+    param_bytes = 2 if policy is not None else 4  # FSDP2 gathers (and computes with) bf16/fp16 copies under its policy
     optimizer_states = 2 if cfg.train.optimizer == "adamw" else 0
     ranks = []
-    for r, (ids, numel, unit_bytes) in enumerate(held):
-        parts = [n for i in ids for n in plan[i]] + (["loss"] if len(plan) - 1 in ids else [])
-        mine = {n: per_part.get(n, 0) for n in parts}
-        acts = in_flight * sum(mine.values())
-        ckpt = None
-        if can_checkpoint:
-            blocks = [n for n in mine if "." in n]  # rows of blocks (blocks.0, ...): what checkpointing recomputes
-            kept = sum(v for n, v in mine.items() if n not in blocks) + sum(inputs.get(n, 0) for n in blocks)
-            ckpt = in_flight * kept + max((mine[n] for n in blocks), default=0)
-        working = 2 * max((largest.get(n, 0) for n in parts), default=0)
+    for r, (ids, numel, gathered) in enumerate(held):
+        acts, ckpt = _rank_activations(cfg, layout, r, ids, plan, run, plain)
+        mine = [n for i in ids for n in plan[i]] + (["loss"] if len(plan) - 1 in ids else [])
+        grads, buffers = 4 * numel, gathered * param_bytes
+        if layout.pp > 1 and _fsdp(layout):
+            # torch's PipelineStage keeps an FSDP2 stage unsharded between micro-batches (set_reshard_after_backward(False),
+            # no gradient sync until the last one): its whole parameters in the policy's dtype, and its whole gradients
+            # accumulated in fp32 until the reduce-scatter after the last backward.
+            grads, buffers = 4 * numel * layout.dp_shard, param_bytes * numel * layout.dp_shard
         ranks.append(
             RankMemory(
                 r,
                 ids,
                 numel,
                 4 * numel,
-                4 * numel,
+                grads,
                 4 * optimizer_states * numel,
-                2 * unit_bytes,
-                working,
+                buffers,
+                2 * max((plain.largest.get(n, 0) for n in mine), default=0),  # backward reruns a checkpointed block whole
                 acts,
                 ckpt,
-                accumulating=cfg.train.gradient_accumulation_steps > 1 or in_flight > 1 or layout.pp > 1,
-                breakdown=mine,
+                accumulating=cfg.train.gradient_accumulation_steps > 1 or layout.pp > 1,
+                breakdown={n: run.kept.get(n, 0) for n in mine},
             )
         )
     return layout, ranks

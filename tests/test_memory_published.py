@@ -1,0 +1,146 @@
+"""The memory estimator (scripts/estimate_memory.py) against published per-GPU memory, and the parts of it that
+make the difference: selective activation checkpointing, FSDP2's bf16 policy, pipeline schedules.
+
+The published figures: torchtitan's Llama 3.1 runs on H100s (pytorch/torchtitan, benchmarks/llama3_h100_202412_torchtitan.md,
+torchtitan 9dec370, December 2024; bf16 FSDP2 policy, AdamW, max reserved memory per GPU). The Llama 3.1 shapes are
+written here as config.json folders (no Hub, no weights: the estimator builds the model on the meta device).
+docs/BENCHMARKS.md has the table, the commands and why the figures differ.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from parallel_train.config.load import load_config
+from parallel_train.data.sources import load_data
+from parallel_train.parallel.memory_estimate import estimate
+from parallel_train.parallel.pipeline.in_flight import in_flight_bytes
+
+GIB = 2**30
+# Llama 3.1's config.json values (meta-llama/Llama-3.1-{8B,70B,405B}): hidden, intermediate, layers, heads (kv heads: 8).
+LLAMA = {"8b": (4096, 14336, 32, 32), "70b": (8192, 28672, 80, 64), "405b": (16384, 53248, 126, 128)}
+COMMON = ["model.name=hf", "model.hf_pretrained=false", "model.vocab_size=128256", "data.path=synthetic", "train.mixed_precision=bf16"]
+# row: (model, processes, torchtitan's GiB, keys). Local batch and sequence as torchtitan's table gives them.
+ROWS = {
+    "T1": (
+        "8b",
+        8,
+        82.4,
+        ["model.block_size=8192", "train.batch_size=2", "parallel.dp_shard=8", "model.activation_checkpointing=selective"],
+    ),
+    "T2": ("8b", 8, 83.9, ["model.block_size=32768", "train.batch_size=1", "parallel.dp_shard=8", "model.activation_checkpointing=full"]),
+    "T4": (
+        "70b",
+        256,
+        71.9,
+        ["model.block_size=8192", "train.batch_size=16", "parallel.dp_shard=32", "parallel.tp=8", "model.activation_checkpointing=full"],
+    ),
+}
+PIPELINE = ["model.block_size=8192", "train.batch_size=32", "parallel.dp_shard=8", "parallel.tp=8", "parallel.pipeline_stages=8"]
+PIPELINE += ["parallel.microbatches=32", "model.activation_checkpointing=full"]
+ROWS["T5-1f1b"] = ("405b", 512, 82.5, [*PIPELINE, "parallel.schedule=1f1b"])
+ROWS["T5-interleaved"] = ("405b", 512, 72.7, [*PIPELINE, "parallel.schedule=interleaved1f1b"])
+
+
+def llama_folder(root, name: str):
+    hidden, intermediate, layers, heads = LLAMA[name]
+    folder = root / f"llama-3.1-{name}"
+    folder.mkdir(exist_ok=True)
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def estimated_gib(tmp_path, row: str) -> float:
+    name, world, _, keys = ROWS[row]
+    cfg, _ = load_config([*COMMON, f"model.hf_path={llama_folder(tmp_path, name)}", *keys])
+    data = load_data(cfg)
+    _, ranks = estimate(cfg, world, data.vocab_size, data.train_set[0])
+    return max(r.total() for r in ranks) / GIB  # torchtitan reports the largest over all GPUs
+
+
+@pytest.mark.parametrize("row", ["T1", "T2", pytest.param("T4", marks=pytest.mark.slow), pytest.param("T5-1f1b", marks=pytest.mark.slow)])
+def test_estimate_is_within_15_percent_of_torchtitan(tmp_path, row):
+    got, published = estimated_gib(tmp_path, row), ROWS[row][2]
+    assert abs(got / published - 1) <= 0.15, f"{row}: estimated {got:.1f} GiB, torchtitan {published} GiB"
+
+
+@pytest.mark.slow
+def test_interleaved_and_1f1b_differ_as_torch_orders_them(tmp_path):
+    """Not within 15% (docs/BENCHMARKS.md says why): interleaved 1F1B is estimated above 1F1B, because torch's order
+    for it keeps 23 chunks of 7-8 layers in flight on rank 0 where 1F1B keeps 8 of 15, and our pipeline stages run
+    tensor parallel without sequence parallel (each chunk's layer inputs whole); torchtitan measured it 10 GiB below."""
+    one, interleaved = estimated_gib(tmp_path, "T5-1f1b"), estimated_gib(tmp_path, "T5-interleaved")
+    assert interleaved > one * 1.1, (one, interleaved)
+
+
+def test_pipeline_schedules_hold_what_torch_orders():
+    """Micro-batches in flight, read from torch's own schedule order: GPipe all M, 1F1B S - rank, interleaved 1F1B a
+    longer warm-up of smaller chunks (so the two differ on one model), the zero-bubble V a full V's worth."""
+    one = {0: 1}
+    assert in_flight_bytes("gpipe", 4, 1, 8, 0, one) == 8
+    assert [in_flight_bytes("1f1b", 4, 1, 8, r, {r: 1}) for r in range(4)] == [4, 3, 2, 1]
+    # 126 layers on 8 ranks, 32 micro-batches: 1F1B holds 8 micro-batches of 15 layers; interleaved, with stages of 7
+    # and 8 layers, a warm-up of 22 chunks and one more: 15 of its first stage and 8 of its second
+    assert in_flight_bytes("1f1b", 8, 1, 32, 0, {0: 15}) == 8 * 15
+    assert in_flight_bytes("interleaved1f1b", 8, 2, 32, 0, {0: 7, 8: 8}) == 15 * 7 + 8 * 8
+
+
+GPT = ["model.n_layer=4", "model.n_embd=64", "model.n_head=2", "model.block_size=64", "train.batch_size=4", "data.path=synthetic"]
+
+
+def estimated(world: int, *keys: str):
+    cfg, _ = load_config([*GPT, *keys])
+    data = load_data(cfg)
+    return estimate(cfg, world, data.vocab_size, data.train_set[0])[1][0]
+
+
+def test_each_checkpointing_mode_keeps_what_it_says():
+    """What model.activation_checkpointing keeps is measured, not assumed: full keeps each block's input only, the op
+    policy the matmul and attention outputs it saves, selective_ac=2 every other block whole, none everything."""
+    kept = {
+        mode: estimated(1, *keys).breakdown
+        for mode, keys in {
+            "none": [],
+            "full": ["model.activation_checkpointing=full"],
+            "op": ["model.activation_checkpointing=selective"],
+            "2": ["model.activation_checkpointing=selective", "model.selective_ac=2"],
+        }.items()
+    }
+    block = {mode: kept[mode]["blocks.1"] for mode in kept}
+    assert block["full"] < block["op"] < block["none"], block
+    assert block["full"] == 4 * 64 * 64 * 4  # its input: batch x context x width, fp32
+    assert kept["2"]["blocks.0"] == block["full"] and kept["2"]["blocks.1"] == block["none"]  # layers 0, 2 checkpointed
+
+
+def test_fsdp2_bf16_policy_keeps_bf16_activations_where_autocast_keeps_fp32_too():
+    """train.mixed_precision=bf16: under FSDP2 the policy computes the blocks in bf16 (half of fp32's bytes); one process
+    autocasts, keeping the fp32 residual stream beside bf16 copies (more)."""
+    fp32 = estimated(1).breakdown["blocks.1"]
+    assert estimated(2, "parallel.dp_shard=2", "train.mixed_precision=bf16").breakdown["blocks.1"] == pytest.approx(fp32 / 2, rel=0.01)
+    assert estimated(1, "train.mixed_precision=bf16").breakdown["blocks.1"] > fp32 // 2
