@@ -144,3 +144,22 @@ def test_fsdp2_bf16_policy_keeps_bf16_activations_where_autocast_keeps_fp32_too(
     fp32 = estimated(1).breakdown["blocks.1"]
     assert estimated(2, "parallel.dp_shard=2", "train.mixed_precision=bf16").breakdown["blocks.1"] == pytest.approx(fp32 / 2, rel=0.01)
     assert estimated(1, "train.mixed_precision=bf16").breakdown["blocks.1"] > fp32 // 2
+
+
+@pytest.mark.slow
+def test_the_70b_layout_in_performance_md_is_what_the_estimator_says(tmp_path):
+    """docs/performance.md "70B and 405B": its estimate command, run as written at full world size (256 fake ranks) with
+    a local Llama 3.1 70B config.json in place of the Hub name, prints the per-GPU figure its table gives, and fits."""
+    import shlex
+    import subprocess
+    import sys
+
+    from helpers import REPO, doc_section
+
+    text = doc_section("performance", "70B and 405B")
+    line = next(x for x in text.splitlines() if x.startswith("python scripts/estimate_memory.py"))
+    args = [a.replace("meta-llama/Llama-3.1-70B", str(llama_folder(tmp_path, "70b"))) for a in shlex.split(line.split("  #")[0])[2:]]
+    result = subprocess.run([sys.executable, "scripts/estimate_memory.py", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    figure = next(cell for cell in text.split("| Llama 3.1 70B |")[1].split("\n")[0].split("|") if "GiB" in cell).strip()
+    assert f": fits (largest rank {figure}" in result.stdout, (figure, result.stdout[-1500:])
