@@ -290,13 +290,9 @@ class Trainer:
         """One optimizer step (step.py; the engine runs the micro-batches). Returns its losses (device tensors) and the step."""
         self.guard.begin_step(self.state.step + 1)
         result = self.stepper.step(self.batches)
-        if result.empty and self.stepper.skipped_empty == 1:  # the first one says what it is; the rest are counted
-            say(
-                f"notice: step {self.state.step + 1} has no token to learn on any rank: skipped (no update); counted in skipped_empty_steps"
-            )
-        with warnings.catch_warnings():  # a skipped step is still a step of the schedule (step.py)
-            if result.empty:  # torch's warning of a schedule stepped before its optimizer: here that is the plan
-                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler")
+        if result.empty:
+            self.skipped_empty_step()
+        else:
             self.scheduler.step()
         self.state.step += 1
         self.fault_hook(self.state.step)
@@ -306,6 +302,16 @@ class Trainer:
             self.first_step_s = process_age_s() or time.perf_counter() - self.t_start
             self.first_step_memory = peak_memory_mb(self.device)  # the start's peak: model built, cut, filled, one step
         return result, self.state.step
+
+    def skipped_empty_step(self) -> None:
+        """A step with no token to learn (step.py) is still a step of the schedule; the first one says what it is."""
+        if self.stepper.skipped_empty == 1:  # the rest are counted
+            say(
+                f"notice: step {self.state.step + 1} has no token to learn on any rank: skipped (no update); counted in skipped_empty_steps"
+            )
+        with warnings.catch_warnings():  # torch's warning of a schedule stepped before its optimizer: here that is the plan
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler")
+            self.scheduler.step()
 
     def due(self, interval: int) -> bool:
         """Whether the step just done is a log/eval/checkpoint step for this interval (the last step always is)."""

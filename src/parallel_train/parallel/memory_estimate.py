@@ -42,7 +42,7 @@ from parallel_train.parallel.pipeline.in_flight import in_flight_bytes
 from parallel_train.parallel.pipeline.placement import stages_of_rank, stages_per_rank
 from parallel_train.parallel.pipeline.split import plan_stages, stage_module
 from parallel_train.parallel.precision import DTYPES
-from parallel_train.parallel.sharding import local_numel, parallelize
+from parallel_train.parallel.sharding import local_numel, loss_context, output_layer, parallelize, tensor_parallel_plan
 
 GIB = 2**30
 # Memory of one device, GiB (the vendors' figures), for --device.
@@ -150,17 +150,6 @@ def _held(cfg: Config, layout: MeshLayout, vocab_size: int, mesh) -> tuple[list[
     return plan, out
 
 
-def _loss_context(model: nn.Module):
-    """torch's loss_parallel where the run has it (its logits cut by vocabulary: sharding.logits_by_vocabulary)."""
-    layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    weight = getattr(layer, "weight", None)
-    if weight is None or not hasattr(weight, "placements") or not any(p.is_shard(0) for p in weight.placements):
-        return contextlib.nullcontext()
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    return loss_parallel()
-
-
 def _activations(cfg: Config, layout: MeshLayout, vocab_size: int, mesh, sample, model_cfg) -> PartBytes:
     """Activation bytes per part of the model for one micro-batch on rank 0's slice of the mesh, with `model_cfg`'s
     activation checkpointing, under the engine's precision (FSDP2's policy or autocast), cut as the engine cuts it:
@@ -176,11 +165,11 @@ def _activations(cfg: Config, layout: MeshLayout, vocab_size: int, mesh, sample,
     blocks = block_names(model)
     cut = MeshLayout(dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp)
     views = [stage_module(model, names) for names in _stage_plan(cfg, model, layout)] if layout.pp > 1 else [model]
+    # The mesh engine's decision (parallel/mesh_engine.py); a pipeline's stages keep their logits whole
+    logits_cut = layout.tp > 1 and layout.pp == 1 and output_layer(model, tensor_parallel_plan(model, layout.tp)) is not None
     if layout.sharded or _fsdp(layout):
         for view in views:
-            parallelize(
-                view, mesh, cut, mp_policy=policy, shard_data_parallel=_fsdp(layout), loss_parallel=layout.tp > 1 and layout.pp == 1
-            )
+            parallelize(view, mesh, cut, mp_policy=policy, shard_data_parallel=_fsdp(layout), loss_parallel=logits_cut)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         for view in views:  # a pipeline's stages one after the other, as the micro-batch goes through them
@@ -190,7 +179,7 @@ def _activations(cfg: Config, layout: MeshLayout, vocab_size: int, mesh, sample,
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
         x, y = (torch.stack([t] * micro) for t in sample)
-        return kept_per_part(model.train(), forward, x, y, autocast, _loss_context(model), blocks)
+        return kept_per_part(model.train(), forward, x, y, autocast, loss_context(logits_cut), blocks)
 
 
 def _no_checkpointing(model_cfg):

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import SequenceParallel
 
 from parallel_train.checkpoint.named_state import RankState
 from parallel_train.config.sections import Config
@@ -37,7 +38,15 @@ from parallel_train.parallel.ddp_engine import OptimizerFactory
 from parallel_train.parallel.engine import accumulate
 from parallel_train.parallel.mesh import MeshLayout, build_device_mesh, mesh_summary, share_line
 from parallel_train.parallel.precision import Precision
-from parallel_train.parallel.sharding import clip_grad_norm, local_numel, output_layer, parallelize, refuse_cut_ties, tensor_parallel_plan
+from parallel_train.parallel.sharding import (
+    clip_grad_norm,
+    local_numel,
+    loss_context,
+    output_layer,
+    parallelize,
+    refuse_cut_ties,
+    tensor_parallel_plan,
+)
 
 
 class MeshEngine:
@@ -61,7 +70,7 @@ class MeshEngine:
         # Loss parallel under tensor parallelism: the logits stay cut by vocabulary and the loss runs on the shards.
         plan = tensor_parallel_plan(model, layout.tp) if layout.tp > 1 else {}
         self.loss_parallel = output_layer(model, plan) is not None
-        sequence_parallel = any(type(style).__name__ == "SequenceParallel" for style in plan.values())
+        sequence_parallel = any(isinstance(style, SequenceParallel) for style in plan.values())
         self.compiled = parallelize(model, self.mesh, layout, mp_policy=policy, compile=cfg.train.compile, loss_parallel=self.loss_parallel)
         init.fill(model, self.device)  # parallel/model_init.py: only now does this rank's slice of each parameter get memory
         self.model = model
@@ -91,15 +100,8 @@ class MeshEngine:
             with precision.autocast(self.autocast):
                 return self.model(x, **kwargs)
 
-        with self._loss_context():  # forward, loss and backward: loss_parallel's ops run in all three
+        with loss_context(self.loss_parallel):  # forward, loss and backward: loss_parallel's ops run in all three
             return accumulate(micro, forward, self.loss_fn, lambda s: precision.scale(s * scale).backward(), self._sync, self.device)
-
-    def _loss_context(self):
-        if not self.loss_parallel:
-            return nullcontext()
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        return loss_parallel()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm(self.params, max_norm)

@@ -17,6 +17,8 @@ Parameter names never change, so checkpoints stay those of the unsplit model.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -62,6 +64,16 @@ def logits_by_vocabulary(model: nn.Module, plan: dict) -> dict:
     if name is None:
         return plan
     return {**plan, name: ColwiseParallel(input_layouts=plan[name].input_layouts[0], output_layouts=Shard(-1), use_local_output=False)}
+
+
+def loss_context(on: bool):
+    """torch's `loss_parallel()` where the logits stay cut by vocabulary (`logits_by_vocabulary`), else nothing: forward,
+    loss and backward run inside it (the mesh engine's step, the memory estimate's forward)."""
+    if not on:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
 
 
 def refuse_cut_ties(model: nn.Module, ties: dict[str, str], tp: int) -> None:
