@@ -110,6 +110,7 @@ FLOORS = {
     0: (
         "errors",
         "faults",
+        "tasks",
         "losses",
         "eval_metrics",
         "config.fields",

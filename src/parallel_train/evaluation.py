@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from parallel_train.data.batch import parts, rows
+from parallel_train.data.batch import parts, rows, size
 from parallel_train.eval_metrics import add_stats, add_totals, metric_stats, metric_values
+from parallel_train.losses import logits_of
 from parallel_train.parallel.collectives import all_gather
 
 
@@ -35,12 +36,12 @@ def evaluate(engine, val_batches) -> dict[str, float]:
     engine.set_training(False)
     totals = None
     for batch in val_batches:
-        lo, hi = rank_slice(len(batch[0]), engine.dp_size, engine.dp_rank)
+        lo, hi = rank_slice(size(batch), engine.dp_size, engine.dp_rank)
         empty = hi == lo
         xs, ys, kwargs = parts(rows(batch, 0, 1) if empty else rows(batch, lo, hi))
         logits = engine.eval_forward(xs, **kwargs)
         if logits is not None and not empty:
-            totals = add_stats(totals, metric_stats(logits, ys))
+            totals = add_stats(totals, metric_stats(logits_of(logits), ys))
     engine.set_training(True)
     return metric_values(sum_over_ranks(totals))
 

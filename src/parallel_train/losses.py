@@ -10,8 +10,13 @@ and the loss is the same on 1 process, on 8, with accumulation or in a pipeline.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 import torch.nn.functional as F
+
+from parallel_train.errors import UserError
 
 IGNORE_INDEX = -100  # a target with this value counts nowhere (F.cross_entropy's default ignore_index)
 
@@ -36,3 +41,18 @@ def valid_tokens(targets: torch.Tensor) -> torch.Tensor:
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The mean loss per valid token of one batch (scripts and tests; training divides by the whole step's count)."""
     return loss_sum(logits, targets) / valid_tokens(targets).clamp(min=1)
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """The logits in what a model's forward returned: the tensor itself, or the `logits` of a transformers ModelOutput
+    or a dict. Anything else is one line naming what the task needs (the run cannot compute its loss)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    has = f"keys {', '.join(map(str, output))}" if isinstance(output, Mapping) else type(output).__name__
+    raise UserError(
+        f"the model's forward returned {has} without 'logits': the loss and the metrics need the logits; "
+        "return the logits tensor, or an output (dict or transformers ModelOutput) with a 'logits' entry"
+    )

@@ -52,6 +52,7 @@ from parallel_train.run.output_dir import check_output_dir, lock_output_dir
 from parallel_train.run.resume import choose_checkpoint
 from parallel_train.run.resume_config import SCHEDULE, apply_schedule, change_notice, check_same_files, config_changes
 from parallel_train.step import Stepper, StepResult
+from parallel_train.tasks.task import TASKS, Aligned
 
 
 def say(message: str) -> None:
@@ -160,7 +161,8 @@ class Trainer:
         self.start_memory = peak_memory_mb(self.device)  # the model in place, cut and filled: what the start cost
         self.optimizer = torch_optimizer(self.engine.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
-        self.val_batches = val_loader(self.data, cfg, self.engine.dp_size)
+        self.task = TASKS[cfg.model.task]  # tasks.py: what the labels mean; a causal LM's dict labels are shifted once here
+        self.val_batches = Aligned(self.task, val_loader(self.data, cfg, self.engine.dp_size))
         self.global_batch = cfg.train.batch_size * self.engine.dp_size * cfg.train.gradient_accumulation_steps
         say(
             f"[parallel_train] engine: {self.engine.name} | global batch {cfg.train.batch_size} x {self.engine.dp_size} data-parallel "
@@ -227,7 +229,7 @@ class Trainer:
         self.loader = train_loader(
             self.data, cfg, self.engine.dp_size, self.engine.dp_rank, self.start_step, self.device.type == "cuda", stream_state=position
         )
-        self.batches = TimedIterator(iter(self.loader))
+        self.batches = TimedIterator(iter(Aligned(self.task, self.loader)))
         self.flops_per_token = self.engine.flops_per_token()
         self.peak = peak_flops(self.device, self.precision.name, cfg.train)
         self.speed = Throughput()

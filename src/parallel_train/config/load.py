@@ -203,6 +203,12 @@ def validate(cfg: Config) -> None:
     for prefix, section in sections(cfg):
         check_section(section, prefix)
     cfg.model.check()
+    m = cfg.model
+    check(
+        m.task in m.tasks,
+        f"model.task={m.task}: model.name={m.name} is built for {', '.join(m.tasks)} only; "
+        "use model.name=hf with a transformers model of that task, or a model of your own that lists it in its Config.tasks",
+    )
 
     t, p = cfg.train, cfg.parallel
     check(bool(cfg.data.path), "data.path: must not be empty")

@@ -1,44 +1,92 @@
-"""What a batch is, for every engine: `(inputs, targets)`, or `(inputs, targets, positions)` for packed samples.
+"""What a batch is, for every engine: a dict of named tensors, as transformers and accelerate users write them, or
+the template's own tuples.
 
-    inputs     (B, T) token ids (or (B, F) feature vectors): what `model(inputs)` takes
-    targets    (B, T) next-token ids, or (B,) class labels; IGNORE_INDEX (-100) counts nowhere (losses.py)
-    positions  (B, T) each token's position inside its own sample, only when several samples are packed into one
-               row (data.packing, data/packing.py): a sample starts where its positions restart, so the positions say
-               both where each token sits and where the documents are; the model is then called
-               `model(inputs, positions=positions)` and keeps documents apart (models/document_mask.py,
-               transformers' own packed-sequence masks)
+    dict     {"input_ids": (B, T), "attention_mask": (B, T), "token_type_ids": ..., "labels": ...} or
+             {"pixel_values": (B, C, H, W), "labels": (B,)}: the model is called `model(main, **others)`, where
+             main is the first of MAIN_INPUTS the batch holds and others are every key but "labels"
+    tuple    (inputs, targets), or (inputs, targets, positions) for packed samples:
+      inputs     (B, T) token ids (or (B, F) feature vectors): what `model(inputs)` takes
+      targets    (B, T) next-token ids, or (B,) class labels
+      positions  (B, T) each token's position inside its own sample, only when several samples are packed into one
+                 row (data.packing, data/packing.py): a sample starts where its positions restart, so the positions
+                 say both where each token sits and where the documents are; the model is then called
+                 `model(inputs, positions=positions)` and keeps documents apart (models/document_mask.py,
+                 transformers' own packed-sequence masks)
 
-Every engine passes the third element through the same way (step.py's micro-batches, the pipelines' schedules,
-evaluation.py): a batch of two elements calls the model exactly as before, so the default path is unchanged.
+Labels (a dict's "labels", a tuple's targets) are aligned with the model's logits (tasks.py); IGNORE_INDEX (-100)
+counts nowhere (losses.py). Every tensor's first dimension is the sample: the data-parallel split (`rows`) and the
+micro-batch split of a pipeline cut every tensor of the batch along it. Every engine calls the model the same way
+(step.py's micro-batches, the pipelines' schedules, evaluation.py): a tuple of two elements calls the model exactly
+as before, so the default path is unchanged.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-Batch = tuple[torch.Tensor, ...]
+from parallel_train.errors import UserError
+
+Batch = tuple[torch.Tensor, ...] | dict[str, torch.Tensor]
+LABELS = "labels"
+MAIN_INPUTS = ("input_ids", "pixel_values", "inputs_embeds", "input_values")
+
+
+def main_key(batch: Mapping[str, torch.Tensor]) -> str:
+    """The key of the model's first argument: the first of MAIN_INPUTS present, else the first key not a label."""
+    for key in MAIN_INPUTS:
+        if key in batch:
+            return key
+    return next(k for k in batch if k != LABELS)
 
 
 def parts(batch: Batch, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-    """(inputs, targets, the model's keyword arguments), moved to `device` when given."""
-    x, y, *rest = batch
+    """(the model's first argument, the labels, the model's keyword arguments), moved to `device` when given."""
+    if isinstance(batch, Mapping):
+        main = main_key(batch)
+        x, y = batch[main], batch[LABELS]
+        rest = {k: v for k, v in batch.items() if k not in (main, LABELS)}
+    else:
+        x, y, *others = batch
+        rest = {"positions": others[0]} if others else {}
     if device is not None:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        rest = [t.to(device, non_blocking=True) for t in rest]
-    return x, y, ({"positions": rest[0]} if rest else {})
+        rest = {k: v.to(device, non_blocking=True) for k, v in rest.items()}
+    return x, y, rest
 
 
 def targets(batch: Batch) -> torch.Tensor:
-    return batch[1]
+    """The labels (aligned with the logits)."""
+    return batch[LABELS] if isinstance(batch, Mapping) else batch[1]
+
+
+def size(batch: Batch) -> int:
+    """Samples in the batch."""
+    return len(targets(batch))
 
 
 def rows(batch: Batch, lo: int, hi: int) -> Batch:
-    """Samples lo..hi-1 of every element (a data-parallel rank's slice of a global batch)."""
+    """Samples lo..hi-1 of every tensor (a data-parallel rank's slice of a global batch)."""
+    if isinstance(batch, Mapping):
+        return {k: v[lo:hi] for k, v in batch.items()}
     return tuple(t[lo:hi] for t in batch)
 
 
 def concat(batches: list[Batch]) -> Batch:
     """Several batches as one (a pipeline schedule cuts it into its micro-batches again)."""
+    if isinstance(batches[0], Mapping):
+        return {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
     return tuple(torch.cat(ts) for ts in zip(*batches, strict=True))
+
+
+def refuse_other_inputs(kwargs: dict[str, Any], where: str, allowed: tuple[str, ...] = ("positions",)) -> None:
+    """One line when a batch brings keyword inputs that `where` (a layout) cannot hand to its model's parts."""
+    other = [k for k in kwargs if k not in allowed]
+    if other:
+        raise UserError(
+            f"the batch's {other[0]!r} input cannot travel through {where}, which passes only the main input"
+            f"{' and ' + ', '.join(allowed) if allowed else ''} to its stages; train this data without pipeline stages "
+            "(data parallel, parallel.dp_shard or parallel.tp), or drop that key from the batch"
+        )

@@ -24,6 +24,7 @@ import torch
 
 from parallel_train.checkpoint.named_state import RankState
 from parallel_train.data.batch import Batch, parts
+from parallel_train.losses import logits_of
 
 
 class Engine(Protocol):
@@ -81,12 +82,13 @@ def accumulate(
     """Forward and backward of each micro-batch in turn, `sync(last)` around each so that gradients are
     synchronised on the last one only (DDP's no_sync, FSDP2's set_requires_gradient_sync). Returns the summed
     token loss (a device tensor: no host sync). Used by the engines whose model runs micro-batches one at a time.
-    `forward(inputs, **kwargs)`: kwargs are the batch's positions when it is packed (data/batch.py)."""
+    `forward(inputs, **kwargs)`: kwargs are the batch's other inputs (a dict batch's attention_mask, a packed batch's
+    positions: data/batch.py)."""
     total = torch.zeros((), device=device)
     for i, batch in enumerate(micro):
         x, y, kwargs = parts(batch, device)
         with sync(i == len(micro) - 1):
-            s = loss_sum(forward(x, **kwargs), y)
+            s = loss_sum(logits_of(forward(x, **kwargs)), y)  # a ModelOutput or a dict: its logits
             backward(s)
         total += s.detach().full_tensor() if hasattr(s, "full_tensor") else s.detach()  # loss parallel's is a DTensor
     return total

@@ -33,9 +33,9 @@ from torch import nn
 
 from parallel_train.checkpoint.named_state import RankState
 from parallel_train.config.sections import Config
-from parallel_train.data.batch import concat, parts
+from parallel_train.data.batch import concat, parts, refuse_other_inputs
 from parallel_train.errors import UserError
-from parallel_train.losses import loss_sum
+from parallel_train.losses import logits_of, loss_sum
 from parallel_train.models.ties import find_ties
 from parallel_train.parallel.collectives import gather_to_rank0
 from parallel_train.parallel.ddp_engine import OptimizerFactory
@@ -191,7 +191,7 @@ class MultiProcessPipelineEngine:
 
     def _loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """A micro-batch's loss on the last stage, as backward sees it (see the module docstring)."""
-        s = loss_sum(out, y)
+        s = loss_sum(logits_of(out), y)
         self._sums.append(s.detach())
         return self.precision.scale(s * self._scale)
 
@@ -212,6 +212,7 @@ class MultiProcessPipelineEngine:
     def forward_backward(self, micro, scale: torch.Tensor, precision: Precision) -> torch.Tensor:
         """All micro-steps in one schedule step (A x M micro-batches): one flush, one gradient reduction."""
         x, y, positions = parts(concat(micro), self.device)
+        refuse_other_inputs(positions, f"the multi-process pipeline (parallel.pipeline_stages={self.S})")
         self._scale, self._sums = scale.to(self.device), []
         self.profiling = self._steps % self.profile_every == 0
         if self.profiling:
@@ -238,6 +239,7 @@ class MultiProcessPipelineEngine:
     def eval_forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor | None:
         """Forward only through the stages (placement.forward_through); the last stage's tensor-parallel rank 0
         reports the logits. kwargs (a packed batch's positions) go to every stage."""
+        refuse_other_inputs(kwargs, f"the multi-process pipeline (parallel.pipeline_stages={self.S})")
         stages = dict(zip(self.stage_ids, self.stage_mods, strict=True))
         with self.precision.autocast(self.autocast):
             logits = forward_through(stages, self.where, self.pp_rank, x, self.pp_group, self.device, kwargs)

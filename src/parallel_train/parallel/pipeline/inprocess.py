@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from parallel_train.config.sections import Config
+from parallel_train.data.batch import refuse_other_inputs
 from parallel_train.errors import UserError
 from parallel_train.models.ties import describe, find_ties, tie_groups
 from parallel_train.parallel.ddp_engine import DataParallelEngine, OptimizerFactory
@@ -190,8 +191,10 @@ class PipelineModule(nn.Module):
     def finish_profile(self) -> None:
         self._close_flush()
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """`positions`: a packed batch's (data/batch.py), cut into the same micro-batches as the inputs."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, **others: torch.Tensor) -> torch.Tensor:
+        """`positions`: a packed batch's (data/batch.py), cut into the same micro-batches as the inputs; any other input
+        of a dict batch is one line (the stages pass only these two)."""
+        refuse_other_inputs(others, "the one-process pipeline (parallel.stage_devices)")
         training = self.training and torch.is_grad_enabled()
         if training:
             self._close_flush()  # the previous flush's backward has run by now

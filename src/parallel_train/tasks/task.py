@@ -1,0 +1,78 @@
+"""What a model is trained to do: `model.task`, one row per task in TASKS.
+
+A task says what a batch's labels mean and how the run is judged; everything else (the engines, the optimizer
+step, checkpoints) is the same for every task, because every task's loss is the same thing: cross-entropy of the
+model's logits against labels aligned with them, summed over the labels that count (not IGNORE_INDEX, -100) and
+divided by their number over the whole optimizer step (step.py). So a sentence label weighs one sample, a tagged
+word one word, a target token one token, and the loss is the same on 1 process, on 8, with accumulation or not.
+
+    task                     logits          labels            a transformers model       judged by (val_*)
+    causal-lm                (B, T, vocab)   (B, T) next ids   AutoModelForCausalLM       loss, perplexity
+    sequence-classification  (B, classes)    (B,) class ids    ...ForSequenceClassification  accuracy, f1
+    token-classification     (B, T, classes) (B, T) tag ids    ...ForTokenClassification  accuracy, entity f1
+    masked-lm                (B, T, vocab)   (B, T) masked ids ...ForMaskedLM             loss, perplexity
+    seq2seq                  (B, T, vocab)   (B, T) target ids ...ForSeq2SeqLM            loss, perplexity
+    image-classification     (B, classes)    (B,) class ids    ...ForImageClassification  accuracy, f1
+
+Labels in a batch are aligned with the logits (position t's label is what position t should predict), with one
+exception taken from transformers: a causal LM's dict batch carries `labels` equal to its input ids, and the
+model learns to predict the next one. `align` shifts those labels once, before the engines see the batch, so the
+loss, the count and every metric see aligned labels; the template's own text windows are (inputs, targets)
+tuples whose targets are shifted already.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from parallel_train.losses import IGNORE_INDEX
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    auto_class: str  # the transformers Auto class that builds (and reloads) a model of this task
+    main_input: str  # the batch key a model's forward takes first: token ids or pixels
+    units: str  # what throughput counts: "tokens" (non-padding) or "samples"
+    labels_are_inputs: bool = False  # transformers' causal-LM convention: labels = input ids, shifted here
+    has_labels: bool = False  # class names (id2label) come from the data and go into the exported config
+
+
+TASKS: dict[str, Task] = {
+    t.name: t
+    for t in (
+        Task("causal-lm", "AutoModelForCausalLM", "input_ids", "tokens", labels_are_inputs=True),
+        Task("sequence-classification", "AutoModelForSequenceClassification", "input_ids", "samples", has_labels=True),
+        Task("token-classification", "AutoModelForTokenClassification", "input_ids", "tokens", has_labels=True),
+        Task("masked-lm", "AutoModelForMaskedLM", "input_ids", "tokens"),
+        Task("seq2seq", "AutoModelForSeq2SeqLM", "input_ids", "tokens"),
+        Task("image-classification", "AutoModelForImageClassification", "pixel_values", "samples", has_labels=True),
+    )
+}
+DEFAULT = "causal-lm"
+
+
+def align(task: Task, batch):
+    """The batch with labels aligned to the logits. Only a causal LM's dict batch changes: label t becomes label t+1
+    (the last position learns nothing), exactly the shift transformers' causal-LM loss makes."""
+    if not task.labels_are_inputs or not isinstance(batch, Mapping) or "labels" not in batch:
+        return batch
+    labels = batch["labels"]
+    shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
+    return {**batch, "labels": shifted}
+
+
+class Aligned:
+    """`batches` (a loader, iterated again at every evaluation) with each batch aligned for `task`."""
+
+    def __init__(self, task: Task, batches):
+        self.task, self.batches = task, batches
+
+    def __iter__(self):
+        return (align(self.task, batch) for batch in self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
