@@ -110,7 +110,7 @@ FLOORS = {
     0: (
         "errors",
         "faults",
-        "tasks",
+        "tasks.task",
         "losses",
         "eval_metrics",
         "config.fields",
@@ -120,7 +120,7 @@ FLOORS = {
         "checkpoint.json_text",
     ),
     1: ("models",),
-    2: ("config", "data", "optim"),
+    2: ("config", "data", "optim", "tasks"),
     3: ("checkpoint", "observe", "run"),
     4: ("parallel",),
     5: ("step", "evaluation", "guards"),
@@ -160,3 +160,11 @@ def test_package_init_files_are_docstrings_only():
 def test_at_most_ten_modules_at_the_top_of_the_package():
     top = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
     assert len(top) <= 10, top
+
+
+def test_every_task_name_has_its_module_in_the_registry():
+    """model.task's choices (tasks/task.py) and the registry (tasks/registry.py) name the same tasks."""
+    from parallel_train.tasks.registry import TASKS
+    from parallel_train.tasks.task import TASK_NAMES
+
+    assert tuple(TASKS) == TASK_NAMES

@@ -52,7 +52,8 @@ from parallel_train.run.output_dir import check_output_dir, lock_output_dir
 from parallel_train.run.resume import choose_checkpoint
 from parallel_train.run.resume_config import SCHEDULE, apply_schedule, change_notice, check_same_files, config_changes
 from parallel_train.step import Stepper, StepResult
-from parallel_train.tasks.task import TASKS, Aligned
+from parallel_train.tasks.registry import task_of
+from parallel_train.tasks.task import Aligned
 
 
 def say(message: str) -> None:
@@ -137,7 +138,9 @@ class Trainer:
         every rank: identical initial weights."""
         cfg, rank = self.cfg, self.accelerator.process_index
         # The tokenizer of a resumed run is reused, so token ids cannot shift.
-        self.data = load_data(cfg, load_saved(self.resume_from) if self.resume_from else None)
+        self.task = task_of(cfg)  # tasks/: what the labels mean, where the data comes from, what validation reports
+        saved = load_saved(self.resume_from) if self.resume_from else None
+        self.data = self.task.load(cfg, saved) if self.task.load else load_data(cfg, saved)
         if self.resume_from is not None:
             check_same_files(self.resume_from, self.data.files)
         if self.data.description:
@@ -161,7 +164,7 @@ class Trainer:
         self.start_memory = peak_memory_mb(self.device)  # the model in place, cut and filled: what the start cost
         self.optimizer = torch_optimizer(self.engine.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
-        self.task = TASKS[cfg.model.task]  # tasks.py: what the labels mean; a causal LM's dict labels are shifted once here
+        # A causal LM's dict labels are shifted once here (tasks/task.py); every other batch passes as it is.
         self.val_batches = Aligned(self.task, val_loader(self.data, cfg, self.engine.dp_size))
         self.global_batch = cfg.train.batch_size * self.engine.dp_size * cfg.train.gradient_accumulation_steps
         say(

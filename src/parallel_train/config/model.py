@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parallel_train.config.fields import opt
-from parallel_train.tasks.task import DEFAULT, TASKS
+from parallel_train.tasks.task import DEFAULT, TASK_NAMES
 
 
 @dataclass
@@ -19,7 +19,7 @@ class ModelConfig:
     name: str = opt("gpt", "model to build (see parallel_train/models/__init__.py)")
     block_size: int = opt(64, "context length in tokens (text data is cut into windows of this length)", min=1)
     vocab_size: int = opt(0, "0: take it from the data; else pad the vocab up to this size", min=0)
-    task: str = opt(DEFAULT, "what the model learns (tasks.py): its labels, loss units and metrics", choices=tuple(TASKS))
+    task: str = opt(DEFAULT, "what the model learns (tasks.py): its labels, loss units and metrics", choices=TASK_NAMES)
     # What forward() takes (a class attribute, not a key): checked against what the data gives (Data.inputs) at
     # start, so a model given the wrong data stops in one line instead of a dtype error inside its first layer.
     inputs = "token ids"

@@ -18,11 +18,11 @@ from torch import nn
 
 from parallel_train.checkpoint.named_state import RankState, torch_optimizer
 from parallel_train.config.sections import Config
-from parallel_train.losses import loss_sum
 from parallel_train.models.ties import find_ties
 from parallel_train.parallel.engine import accumulate
 from parallel_train.parallel.mesh import MeshLayout, mesh_summary, share_line
 from parallel_train.parallel.precision import Precision
+from parallel_train.tasks.registry import task_of
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 
@@ -47,6 +47,7 @@ class DataParallelEngine:
         self.layout = MeshLayout(dp_replicate=accelerator.num_processes)  # every rank holds the whole model
         self.local_numel = sum(q.numel() for q in model.parameters())
         self.name = f"{self.name}: {share_line(self.layout, self.local_numel, self.local_numel)}"
+        loss_sum = task_of(cfg).loss_sum  # the task's loss (tasks/): cross-entropy of the logits against the labels
         self.loss_fn = loss_sum
         self.compiled = ""
         if cfg.train.compile if compile is None else compile:

@@ -32,7 +32,6 @@ from torch.distributed.tensor.parallel import SequenceParallel
 
 from parallel_train.checkpoint.named_state import RankState
 from parallel_train.config.sections import Config
-from parallel_train.losses import loss_sum
 from parallel_train.models.ties import find_ties
 from parallel_train.parallel.ddp_engine import OptimizerFactory
 from parallel_train.parallel.engine import accumulate
@@ -47,6 +46,7 @@ from parallel_train.parallel.sharding import (
     refuse_cut_ties,
     tensor_parallel_plan,
 )
+from parallel_train.tasks.registry import task_of
 
 
 class MeshEngine:
@@ -76,6 +76,7 @@ class MeshEngine:
         self.model = model
         self.fsdp = hasattr(model, "set_requires_gradient_sync")  # fully_shard made it an FSDPModule
         self.autocast = not (self.fsdp and policy is not None)  # FSDP2's policy already computes in bf16/fp16
+        loss_sum = task_of(cfg).loss_sum  # the task's loss (tasks/)
         self.loss_fn = torch.compile(loss_sum) if cfg.train.compile and not self.loss_parallel else loss_sum
         self.optimizer = make_optimizer(model)
         self.params = [q for group in self.optimizer.param_groups for q in group["params"]]

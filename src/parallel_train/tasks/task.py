@@ -1,4 +1,4 @@
-"""What a model is trained to do: `model.task`, one row per task in TASKS.
+"""What a model is trained to do (`model.task`): the Task every task module defines (tasks/registry.py lists them).
 
 A task says what a batch's labels mean and how the run is judged; everything else (the engines, the optimizer
 step, checkpoints) is the same for every task, because every task's loss is the same thing: cross-entropy of the
@@ -23,36 +23,44 @@ tuples whose targets are shifted already.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from parallel_train.losses import IGNORE_INDEX
+from parallel_train.losses import IGNORE_INDEX, loss_sum
+
+# Every task model.task may name (config/model.py lists them as its choices); tasks/registry.py holds the Task of each.
+TASK_NAMES = (
+    "causal-lm",
+    "sequence-classification",
+    "token-classification",
+    "masked-lm",
+    "seq2seq",
+    "image-classification",
+)
+DEFAULT = "causal-lm"
 
 
 @dataclass(frozen=True)
 class Task:
+    """What one task is. Each task is one module of this package (tasks/sequence_classification.py, ...) defining
+    `TASK = Task(...)`; tasks/registry.py lists them. Everything here is a value or a function: the engines, the
+    optimizer step and the Trainer read a task only through these fields."""
+
     name: str
     auto_class: str  # the transformers Auto class that builds (and reloads) a model of this task
     main_input: str  # the batch key a model's forward takes first: token ids or pixels
     units: str  # what throughput counts: "tokens" (non-padding) or "samples"
-    labels_are_inputs: bool = False  # transformers' causal-LM convention: labels = input ids, shifted here
+    labels_are_inputs: bool = False  # transformers' causal-LM convention: labels = input ids, shifted by `align`
     has_labels: bool = False  # class names (id2label) come from the data and go into the exported config
-
-
-TASKS: dict[str, Task] = {
-    t.name: t
-    for t in (
-        Task("causal-lm", "AutoModelForCausalLM", "input_ids", "tokens", labels_are_inputs=True),
-        Task("sequence-classification", "AutoModelForSequenceClassification", "input_ids", "samples", has_labels=True),
-        Task("token-classification", "AutoModelForTokenClassification", "input_ids", "tokens", has_labels=True),
-        Task("masked-lm", "AutoModelForMaskedLM", "input_ids", "tokens"),
-        Task("seq2seq", "AutoModelForSeq2SeqLM", "input_ids", "tokens"),
-        Task("image-classification", "AutoModelForImageClassification", "pixel_values", "samples", has_labels=True),
-    )
-}
-DEFAULT = "causal-lm"
+    # (Config, the resumed run's tokenizer or None) -> Data whose batches are dicts: the task's columns read from
+    # data.path and collated. None: the data.source loaders (data/sources.py) give the data, as for a causal LM.
+    load: Callable[[Any, Any], Any] | None = None
+    # (logits, labels) -> the summed loss of the labels that count (step.py divides by their number over the step).
+    loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = loss_sum
+    metrics: tuple[str, ...] = ("loss", "accuracy")  # what validation reports (val_<name>), "loss" first
 
 
 def align(task: Task, batch):

@@ -35,7 +35,7 @@ from parallel_train.checkpoint.named_state import RankState
 from parallel_train.config.sections import Config
 from parallel_train.data.batch import concat, parts, refuse_other_inputs
 from parallel_train.errors import UserError
-from parallel_train.losses import logits_of, loss_sum
+from parallel_train.losses import logits_of
 from parallel_train.models.ties import find_ties
 from parallel_train.parallel.collectives import gather_to_rank0
 from parallel_train.parallel.ddp_engine import OptimizerFactory
@@ -47,6 +47,7 @@ from parallel_train.parallel.pipeline.tied import TiedAcrossStages
 from parallel_train.parallel.pipeline.timeline import Recorder, write_report
 from parallel_train.parallel.precision import Precision
 from parallel_train.parallel.sharding import clip_grad_norm, local_numel, parallelize, refuse_cut_ties
+from parallel_train.tasks.registry import task_of
 
 SCHEDULES = {
     "gpipe": "ScheduleGPipe",
@@ -116,6 +117,7 @@ class MultiProcessPipelineEngine:
     ):
         p = cfg.parallel
         self.cfg, self.accelerator, self.precision = cfg, accelerator, precision
+        self.loss_sum = task_of(cfg).loss_sum  # the task's loss (tasks/)
         self.device = accelerator.device
         world, rank = accelerator.num_processes, accelerator.process_index
         S, M, A = p.pipeline_stages, p.microbatches, cfg.train.gradient_accumulation_steps
@@ -191,7 +193,7 @@ class MultiProcessPipelineEngine:
 
     def _loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """A micro-batch's loss on the last stage, as backward sees it (see the module docstring)."""
-        s = loss_sum(logits_of(out), y)
+        s = self.loss_sum(logits_of(out), y)
         self._sums.append(s.detach())
         return self.precision.scale(s * self._scale)
 
