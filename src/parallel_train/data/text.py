@@ -172,6 +172,9 @@ class Data:
     # Files the run saves beside its tokenizer, in output_dir and every checkpoint (name -> text): a chat template
     # and the tokenizer's config (data/chat_format.py), so that scripts/sample.py --chat renders as training did.
     files: dict[str, str] = field(default_factory=dict)
+    # The class names of a task with labels (tasks/: sequence, token and image classification): label id i is
+    # label_names[i]. Taken from the data, the same on every rank and across a resume; the export's id2label.
+    label_names: list[str] | None = None
 
 
 def collate_fn(data: Data, dataset: Dataset) -> Callable:
