@@ -147,3 +147,14 @@ def test_val_set_is_fixed():
     first = [torch.cat([x.flatten() for x, _ in val_loader(data, cfg, 1)])]
     again = [torch.cat([x.flatten() for x, _ in val_loader(data, cfg, 1)])]
     assert torch.equal(first[0], again[0]) and first[0].numel() == 3 * 12 * 64
+
+
+def test_eval_iters_0_scores_the_whole_validation_split_once_in_order():
+    """A task's validation set is scored whole: every window once, in order, the last batch short."""
+    cfg = Config()
+    cfg.eval.iters, cfg.eval.batch_size = 0, 5
+    data = build_datasets(cfg)
+    batches = list(val_loader(data, cfg, 2))
+    seen = torch.cat([x for x, _ in batches])
+    assert len(seen) == len(data.val_set) and len(batches) == -(-len(data.val_set) // 5)
+    assert torch.equal(seen, torch.stack([data.val_set[i][0] for i in range(len(data.val_set))]))

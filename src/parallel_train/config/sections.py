@@ -104,7 +104,9 @@ class TrainConfig:
 @dataclass
 class EvalConfig:
     interval: int = opt(250, "optimizer steps between evaluations (0: only at the end)", min=0)
-    iters: int = opt(200, "validation batches per evaluation (fixed windows, same at every eval)", min=1)
+    iters: int = opt(
+        200, "validation batches per evaluation (fixed windows, same at every eval); 0: the whole validation split, each sample once", min=0
+    )
     batch_size: int = opt(
         0,
         "samples per validation batch across all data-parallel ranks (0: train.batch_size x data-parallel ranks); "

@@ -316,6 +316,8 @@ def val_loader(data: Data, cfg: Config, dp_size: int) -> DataLoader:
     """A fixed set of eval.iters global batches of validation samples, the same at every evaluation; each
     global batch is split across the data-parallel ranks by evaluation.py, so every sample counts exactly once."""
     batch_size = eval_batch_size(cfg, dp_size)
+    if not cfg.eval.iters:  # the whole split in its order, each sample once (a task's validation set, scored whole)
+        return DataLoader(data.val_set, batch_size=batch_size, shuffle=False, collate_fn=collate_fn(data, data.val_set))
     n_eval = cfg.eval.iters * batch_size
     g = torch.Generator().manual_seed(cfg.train.seed + 7919)
     n = len(data.val_set)
