@@ -111,6 +111,11 @@ class EvalConfig:
         "iters x batch_size = the eval set, the same on every layout",
         min=0,
     )
+    metric: str = opt(
+        "",
+        "your own validation metric, FILE.py:FUNCTION: FUNCTION(logits, labels) gives a (batch, K) tensor of per-sample "
+        "statistics; logged as val_FUNCTION, the first column's sum over the second's (docs/observing.md)",
+    )
 
 
 @dataclass
