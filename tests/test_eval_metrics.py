@@ -117,13 +117,13 @@ def test_one_rank_equals_two_ranks_splitting_the_samples(task):
     sums each rank's totals), even with uneven slices and samples holding different numbers of labels."""
     torch.manual_seed(0)
     tokens = task not in ("sequence-classification", "image-classification")
-    shape = (7, 6) if tokens else (7,)
+    shape = (9, 6) if tokens else (40,)
     logits = torch.randn(*shape, len(TAGS))
     labels = torch.randint(0, len(TAGS), shape)
     labels[torch.rand(shape) < 0.3] = -100
     metrics, _ = chosen_metrics(TASKS[task].metrics, TAGS)
     whole = metric_values(add_stats(None, metric_stats(logits, labels, metrics)), metrics)
-    rank0 = add_stats(None, metric_stats(logits[:3], labels[:3], metrics))  # 3 samples, then 4, in 2 batches
+    rank0 = add_stats(None, metric_stats(logits[:3], labels[:3], metrics))  # 3 samples, then the rest in 2 batches
     rank1 = add_stats(add_stats(None, metric_stats(logits[3:5], labels[3:5], metrics)), metric_stats(logits[5:], labels[5:], metrics))
     split = metric_values(add_totals(rank0, rank1), metrics)
     assert all(v is not None for v in whole.values()) and split == pytest.approx(whole)
@@ -134,6 +134,8 @@ def test_one_rank_equals_two_ranks_splitting_the_samples(task):
 # ---------------------------------------------------------------- the user's own metric
 
 EXACT_MATCH = """
+from __future__ import annotations
+
 from dataclasses import dataclass
 
 import torch

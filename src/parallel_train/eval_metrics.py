@@ -115,7 +115,7 @@ def entity_spans(tags: list[tuple[str, str]]) -> set[tuple[str, int, int]]:
     starts a new entity otherwise (after O, or after another type)."""
     spans, start, previous = set(), None, ("O", "")
     for i, (kind, kind_type) in enumerate([*tags, ("O", "")]):
-        continues = kind == "I" and previous[0] != "O" and kind_type == previous[1]
+        continues = kind == "I" and kind_type == previous[1]  # O's type is "": an I after O starts an entity
         if start is not None and not continues:
             spans.add((previous[1], start, i))
             start = None
