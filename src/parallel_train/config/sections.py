@@ -114,7 +114,8 @@ class EvalConfig:
     metric: str = opt(
         "",
         "your own validation metric, FILE.py:FUNCTION: FUNCTION(logits, labels) gives a (batch, K) tensor of per-sample "
-        "statistics; logged as val_FUNCTION, the first column's sum over the second's (docs/observing.md)",
+        "statistics; logged as val_FUNCTION, the first column's sum over the second's, or FUNCTION_value(totals) of the file "
+        "(docs/observing.md)",
     )
 
 
