@@ -53,6 +53,7 @@ def env(tmp_path_factory):
     (f / "bad.yaml").write_text("model: {n_layer: 2\n  broken: [\n")
     (f / "list.yaml").write_text("- model\n- train\n")
     (f / "a_file").write_text("not a folder\n")
+    (f / "metric.py").write_text("def exact_match(logits, labels):\n    return None\n")
     (f / "twice.yaml").write_text("model:\n  n_layer: 2\ntrain:\n  batch_size: 4\nmodel:\n  n_head: 2\n")
     (f / "mixed").mkdir()
     (f / "mixed" / "play.txt").write_text("ZZZ 0123456789 \u00e9\u00e8 " * 200)
@@ -174,6 +175,9 @@ CASES = [
     ("resume_none_over_a_run", ["resume=none"], "already holds a run"),
     ("resume_other_model", ["model.n_embd=64"], "resume: model.n_embd (32 in the checkpoint, 64 now) cannot change"),
     ("resume_other_optimizer_setting", ["train.beta2=0.95"], "keys that may: train.max_steps, train.learning_rate"),
+    # eval.metric may change on resume, so these reach the user's file (eval_metrics.user_metric; the rest in test_eval_metrics.py)
+    ("eval_metric_no_file", ["eval.metric={files}/nope.py:exact_match"], "/nope.py: no such file (from "),
+    ("eval_metric_no_function", ["eval.metric={files}/metric.py:exact"], "metric.py has no function exact (its functions: exact_match)"),
     # An environment left over from another launch, with no launcher (parallel/launch_env.py): the four cases of issue 21.
     ("leaked_rank", ["model.n_layers=2"], "the environment says RANK=1, but WORLD_SIZE is not above 1", {"RANK": "1"}),
     (

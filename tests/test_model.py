@@ -54,16 +54,17 @@ def test_seed_mlp():
 
 
 def test_metrics_are_ratios_of_sums_over_samples_and_skip_padding():
-    from parallel_train.eval_metrics import add_stats, metric_stats, metric_values
+    from parallel_train.eval_metrics import TASK_METRICS, add_stats, metric_stats, metric_values
 
+    metrics = {name: TASK_METRICS[name] for name in ("loss", "accuracy")}
     logits = torch.tensor([[[5.0, 0.0], [0.0, 5.0], [5.0, 0.0]], [[0.0, 5.0], [0.0, 5.0], [5.0, 0.0]]])  # (B=2, T=3, V=2)
     targets = torch.tensor([[0, 0, -100], [1, 1, 1]])  # sample 0: 1 of 2 real targets right; sample 1: 2 of 3
     totals = None
     for i in range(2):  # one sample per batch, as if on two ranks
-        totals = add_stats(totals, metric_stats(logits[i : i + 1], targets[i : i + 1]))
-    values = metric_values(totals)
+        totals = add_stats(totals, metric_stats(logits[i : i + 1], targets[i : i + 1], metrics))
+    values = metric_values(totals, metrics)
     assert values["accuracy"] == pytest.approx(3 / 5)  # over all real targets, not the mean of 1/2 and 2/3
     assert values["loss"] == pytest.approx(token_losses(logits, targets).sum().item() / 5)  # per real token, not per sample
     # Classification (the seed MLP): one target per sample.
-    values = metric_values(add_stats(None, metric_stats(torch.tensor([[1.0, 0.0], [1.0, 0.0]]), torch.tensor([0, 1]))))
+    values = metric_values(add_stats(None, metric_stats(torch.tensor([[1.0, 0.0], [1.0, 0.0]]), torch.tensor([0, 1]), metrics)), metrics)
     assert values["accuracy"] == 0.5

@@ -105,11 +105,14 @@ def test_every_json_file_the_template_writes_goes_through_json_text():
 
 
 def test_metrics_over_nothing_counted_are_none_not_nan():
-    from parallel_train.eval_metrics import add_stats, metric_stats, metric_values
+    from parallel_train.eval_metrics import add_stats, chosen_metrics, metric_stats, metric_values
+    from parallel_train.tasks.registry import TASKS
 
     targets = torch.full((2, 3), -100)  # every target ignored: nothing to measure
-    values = metric_values(add_stats(None, metric_stats(torch.zeros(2, 3, 5), targets)))
-    assert values == {"loss": None, "accuracy": None}
+    for task in TASKS.values():
+        metrics, _ = chosen_metrics(task.metrics, ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"])
+        values = metric_values(add_stats(None, metric_stats(torch.zeros(2, 3, 5), targets, metrics)), metrics)
+        assert values == dict.fromkeys(task.metrics), task.name
 
 
 # ---------------------------------------------------------------- steps with nothing to learn

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from parallel_train.data.batch import parts, rows, size
-from parallel_train.eval_metrics import add_stats, add_totals, metric_stats, metric_values
+from parallel_train.eval_metrics import Metric, add_stats, add_totals, metric_stats, metric_values
 from parallel_train.losses import logits_of
 from parallel_train.parallel.collectives import all_gather
 
@@ -31,8 +31,9 @@ def rank_slice(n: int, dp_size: int, dp_rank: int) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def evaluate(engine, val_batches) -> dict[str, float]:
-    """Every validation metric ("loss" first) over the validation set. A collective: every rank calls it."""
+def evaluate(engine, val_batches, metrics: dict[str, Metric]) -> dict[str, float | None]:
+    """Each of `metrics` ("loss" first: eval_metrics.chosen_metrics) over the validation set. A collective: every
+    rank calls it."""
     engine.set_training(False)
     totals = None
     for batch in val_batches:
@@ -41,9 +42,9 @@ def evaluate(engine, val_batches) -> dict[str, float]:
         xs, ys, kwargs = parts(rows(batch, 0, 1) if empty else rows(batch, lo, hi))
         logits = engine.eval_forward(xs, **kwargs)
         if logits is not None and not empty:
-            totals = add_stats(totals, metric_stats(logits_of(logits), ys))
+            totals = add_stats(totals, metric_stats(logits_of(logits), ys, metrics))
     engine.set_training(True)
-    return metric_values(sum_over_ranks(totals))
+    return metric_values(sum_over_ranks(totals), metrics)
 
 
 def sum_over_ranks(totals: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:

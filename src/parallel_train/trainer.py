@@ -33,6 +33,7 @@ from parallel_train.data.streaming import gather_positions, position_for
 from parallel_train.data.text import train_loader, val_loader
 from parallel_train.data.tokenizers import load_saved
 from parallel_train.errors import is_first_process
+from parallel_train.eval_metrics import chosen_metrics, user_metric
 from parallel_train.evaluation import evaluate
 from parallel_train.guards import RunGuard, stop_message
 from parallel_train.models import MODELS
@@ -113,6 +114,8 @@ class Trainer:
     def _set_up(self, config_path: str | None, tracker_word: str) -> None:
         """The checkpoint to continue from (every rank the same), then the banner, model, engine and outputs."""
         cfg = self.cfg
+        # The user's metric file (eval.metric), first: a bad path or name stops the run before anything else is read.
+        self.user_metric = user_metric(cfg.eval.metric) if cfg.eval.metric else None
         rerun = meet_finished_run(cfg, self.out)  # a run that finished here is never trained again (run/finished.py)
         self.resume_from = choose_checkpoint(cfg.resume, self.ckpt_root, warn=lambda m: say(f"warning: {m}"))
         self.done = rerun.done_from(self.resume_from, cfg.train.max_steps)
@@ -145,6 +148,10 @@ class Trainer:
             check_same_files(self.resume_from, self.data.files)
         if self.data.description:
             say(f"[parallel_train] data: {self.data.description}")
+        # What validation reports: the task's metrics (entity F1 reads the data's tag names), then the user's.
+        self.val_metrics, notice = chosen_metrics(self.task.metrics, self.data.label_names, self.user_metric)
+        if notice:
+            say(notice)
         # On the meta device when the model can start there: no rank builds the whole model (parallel/model_init.py).
         model, init = start_model(MODELS[cfg.model.name], cfg.model, self.data.vocab_size, cfg.train.seed)
         params = list(model.parameters())  # on the meta device when it starts there: shapes only; a tied weight once
@@ -352,7 +359,7 @@ class Trainer:
 
     def evaluate(self) -> None:
         """Every validation metric over the fixed eval set (a collective); logged, and kept in the state."""
-        val = evaluate(self.engine, self.val_batches)  # {"loss": ..., and every other metric of eval_metrics.py}
+        val = evaluate(self.engine, self.val_batches, self.val_metrics)  # {"loss": ..., then the others chosen}
         state, done = self.state, self.state.step
         state.final_val_loss, state.final_val_step = val["loss"], done
         state.final_val_metrics = {f"val_{name}": value for name, value in val.items()}

@@ -113,6 +113,12 @@ class EvalConfig:
         "iters x batch_size = the eval set, the same on every layout",
         min=0,
     )
+    metric: str = opt(
+        "",
+        "your own validation metric, FILE.py:FUNCTION: FUNCTION(logits, labels) gives a (batch, K) tensor of per-sample "
+        "statistics; logged as val_FUNCTION, the first column's sum over the second's, or FUNCTION_value(totals) of the file "
+        "(docs/observing.md)",
+    )
 
 
 @dataclass

@@ -58,6 +58,7 @@ MAY_CHANGE = (
     "checkpoint.async",
     "eval.iters",
     "eval.batch_size",
+    "eval.metric",
     "train.grad_clip",
     "train.max_skipped_steps",
     # where: another corpus is read with the run's tokenizer (data/text.py checks that it fits)

@@ -6,4 +6,4 @@ from __future__ import annotations
 
 from parallel_train.tasks.task import Task
 
-TASK = Task("causal-lm", "AutoModelForCausalLM", "input_ids", "tokens", labels_are_inputs=True, metrics=("loss", "accuracy"))
+TASK = Task("causal-lm", "AutoModelForCausalLM", "input_ids", "tokens", labels_are_inputs=True, metrics=("loss", "perplexity", "accuracy"))

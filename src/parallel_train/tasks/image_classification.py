@@ -4,4 +4,11 @@ from __future__ import annotations
 
 from parallel_train.tasks.task import Task
 
-TASK = Task("image-classification", "AutoModelForImageClassification", "pixel_values", "samples", has_labels=True)
+TASK = Task(
+    "image-classification",
+    "AutoModelForImageClassification",
+    "pixel_values",
+    "samples",
+    has_labels=True,
+    metrics=("loss", "accuracy", "f1"),
+)

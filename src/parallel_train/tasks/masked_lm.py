@@ -4,4 +4,4 @@ from __future__ import annotations
 
 from parallel_train.tasks.task import Task
 
-TASK = Task("masked-lm", "AutoModelForMaskedLM", "input_ids", "tokens")
+TASK = Task("masked-lm", "AutoModelForMaskedLM", "input_ids", "tokens", metrics=("loss", "perplexity", "accuracy"))

@@ -4,4 +4,4 @@ from __future__ import annotations
 
 from parallel_train.tasks.task import Task
 
-TASK = Task("seq2seq", "AutoModelForSeq2SeqLM", "input_ids", "tokens")
+TASK = Task("seq2seq", "AutoModelForSeq2SeqLM", "input_ids", "tokens", metrics=("loss", "perplexity", "accuracy"))

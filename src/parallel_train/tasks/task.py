@@ -60,7 +60,9 @@ class Task:
     load: Callable[[Any, Any], Any] | None = None
     # (logits, labels) -> the summed loss of the labels that count (step.py divides by their number over the step).
     loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = loss_sum
-    metrics: tuple[str, ...] = ("loss", "accuracy")  # what validation reports (val_<name>), "loss" first
+    # What validation reports (val_<name>), "loss" first: names of eval_metrics.TASK_METRICS, or "entity_f1" (from
+    # the data's BIO tag names).
+    metrics: tuple[str, ...] = ("loss", "accuracy")
 
 
 def align(task: Task, batch):

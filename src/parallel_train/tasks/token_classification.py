@@ -4,4 +4,11 @@ from __future__ import annotations
 
 from parallel_train.tasks.task import Task
 
-TASK = Task("token-classification", "AutoModelForTokenClassification", "input_ids", "tokens", has_labels=True)
+TASK = Task(
+    "token-classification",
+    "AutoModelForTokenClassification",
+    "input_ids",
+    "tokens",
+    has_labels=True,
+    metrics=("loss", "accuracy", "entity_f1"),
+)
