@@ -181,6 +181,30 @@ def load_source(src: Source, column: str, cache_dir: Path | None, column_key: st
     return ds.rename_column(name, "text") if name != "text" else ds
 
 
+def row_datasets(inputs: list[str], key: str, text_refusal: str = "") -> list[tuple[str, Any]]:
+    """(label, datasets.Dataset with every column) for each file of `inputs` (named by `key` in messages; a Hub dataset
+    is one, labelled by its name), rows in file order. A text file is rows of its lines (column `text`), unless
+    `text_refusal` names why rows are needed (e.g. "data.format=chat"): then it is a one-line error."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    out = []
+    for src in resolve_inputs(inputs, key=key):
+        if src.builder == "text" and text_refusal:
+            raise UserError(f"{text_refusal}: {', '.join(src.files)} is text, not rows; give .jsonl/.json/.csv/.parquet files")
+        for files in [[f] for f in src.files] or [[]]:
+            try:
+                ds = (
+                    datasets.load_dataset(src.builder, data_files=files, split="train")
+                    if files
+                    else datasets.load_dataset(src.builder, split="train")
+                )
+            except Exception as e:
+                raise loading_error(e, key, src.label, files) from None
+            out.append((files[0] if files else src.label, ds))
+    return out
+
+
 def text_pieces(stamps: list[list[Any]], piece: int) -> Iterator[dict[str, str]]:
     """Rows {"text": ...} of text files (`Source.stamp()`: [path, size, mtime] each): every line with its line break,
     a longer one in pieces of at most `piece` characters (never more than that is read at once)."""
