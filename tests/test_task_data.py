@@ -98,6 +98,15 @@ def test_single_sentences_from_csv_pad_with_the_pad_id_and_sort_numeric_labels_a
     assert data.label_names == ["1", "2", "10"] and b["labels"][:3].tolist() == [2, 1, 0]
 
 
+def test_a_folder_of_files_validates_on_its_validation_files(tmp_path, tok):
+    (tmp_path / "glue").mkdir()
+    jsonl(tmp_path / "glue" / "train.jsonl", glue_rows(8))
+    jsonl(tmp_path / "glue" / "validation.jsonl", glue_rows(3))
+    jsonl(tmp_path / "glue" / "test.jsonl", glue_rows(5))
+    data = load("sequence-classification", tmp_path / "glue", tok)
+    assert (len(data.train_set), len(data.val_set)) == (8, 3) and "the validation split" in data.description
+
+
 def test_column_names_from_config(tmp_path, tok):
     rows = [{"question": "hear me", "answer": "speak all", "y": i % 3} for i in range(10)]
     path = jsonl(tmp_path / "qa.jsonl", rows)

@@ -92,8 +92,16 @@ ROWS: tuple[Row, ...] = (
     Row(
         "data.text_column",
         "model.task=causal-lm, data.format=text from a json/jsonl/csv/parquet file, a folder of them or a Hub dataset",
-        lambda c: not _text_source(c)
-        or (c.model.task == "causal-lm" and c.data.format == "text" and _tokens(c) and not c.data.path.endswith(".txt") and not _prepared(c)),
+        lambda c: (
+            not _text_source(c)
+            or (
+                c.model.task == "causal-lm"
+                and c.data.format == "text"
+                and _tokens(c)
+                and not c.data.path.endswith(".txt")
+                and not _prepared(c)
+            )
+        ),
     ),
     Row("data.text_columns", "model.task=sequence-classification, token-classification, masked-lm or seq2seq", _task(*TEXT_TASKS)),
     Row("data.label_column", "model.task=sequence-classification, token-classification or seq2seq", _task(*TEXT_TASKS[:2], "seq2seq")),

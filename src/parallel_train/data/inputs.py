@@ -103,16 +103,23 @@ def _local_files(spec: str, key: str) -> list[str]:
     path = Path(spec)
     if path.is_file():
         return [str(path)]
+    files = folder_splits(path).get("train", [])
+    if not files:
+        raise UserError(f"{named(key, spec)}: no data files in this folder (give {KINDS} files)")
+    return files
+
+
+def folder_splits(folder: Path) -> dict[str, list[str]]:
+    """The data files of a folder laid out like a Hub dataset, by split, as `datasets` splits them (train.jsonl,
+    validation.jsonl, dev.csv, ...; a folder of files named otherwise is all train), sorted; {} for none."""
     from datasets.data_files import DataFilesDict, get_data_patterns
 
     try:
-        patterns = get_data_patterns(str(path))
-        files = [str(f) for f in DataFilesDict.from_patterns(patterns, base_path=str(path)).get("train", [])]
+        patterns = get_data_patterns(str(folder))
+        found = DataFilesDict.from_patterns(patterns, base_path=str(folder))
     except Exception:  # datasets: EmptyDatasetError when nothing in the folder looks like data
-        files = []
-    if not files:
-        raise UserError(f"{named(key, spec)}: no data files in this folder (give {KINDS} files)")
-    return sorted(files)
+        return {}
+    return {str(split): sorted(str(f) for f in files) for split, files in found.items()}
 
 
 def _check_text_file(path: str, where: str) -> None:

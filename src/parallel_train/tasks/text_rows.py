@@ -3,10 +3,10 @@ read from data.path, the columns a task reads from them, the train/validation sp
 encodings of one fixed length (model.block_size) served as dict batches.
 
 data.path is a jsonl/json/csv/parquet file (a .txt file: one row per line, in a column `text`), a folder of them
-laid out like a Hub dataset (its train files, data/inputs.py), a folder written by `datasets`' save_to_disk (a
-Dataset, or a DatasetDict: its train split, and its validation split when it has one), or a Hub dataset name. The
-validation rows are that validation split, else the last data.val_fraction of the rows, in file order (as
-data.format=chat splits its rows, data/sft.py): the same on every rank and at every launch.
+laid out like a Hub dataset (train.jsonl, validation.jsonl, ...: data/inputs.py), a folder written by `datasets`'
+save_to_disk (a Dataset, or a DatasetDict), or a Hub dataset name. The validation rows are the folder's validation
+split when it has one, else the last data.val_fraction of the rows, in file order (as data.format=chat splits its
+rows, data/sft.py): the same on every rank and at every launch.
 
 Every row is tokenized once, at start (in-memory data: some hundreds of MB of rows). Every batch is padded to
 model.block_size, so that every batch has one shape (pipelines and torch.compile need one).
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from parallel_train.data.inputs import loading_error, row_datasets
+from parallel_train.data.inputs import folder_splits, loading_error, row_datasets
 from parallel_train.data.text import Data, check_resumed_tokenizer, vocab_size_for
 from parallel_train.data.tokenizers import HFTokenizer, Tokenizer, load_tokenizer, needs_corpus
 from parallel_train.errors import UserError
@@ -59,9 +59,10 @@ def save_to_disk_folder(path: Path) -> bool:
 
 def tables(path: str) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
     """(train tables, validation tables) of data.path: (label, datasets.Dataset) each, rows in file order; no
-    validation table unless a save_to_disk DatasetDict has a validation split."""
+    validation table unless the folder has a validation split (validation files, or a save_to_disk DatasetDict's)."""
     if not save_to_disk_folder(Path(path)):
-        return row_datasets([path], "data.path"), []
+        val_files = folder_splits(Path(path)).get("validation", []) if Path(path).is_dir() else []
+        return row_datasets([path], "data.path"), row_datasets(val_files, "data.path") if val_files else []
     import datasets
 
     try:
