@@ -176,6 +176,12 @@ def test_masks_are_a_function_of_seed_and_index_only(tmp_path, tok):
         assert torch.equal(batch(again.train_set, [5, 3])[key], b[key][[5, 3]])
     other_seed = load("masked-lm", tmp_path / "lines.txt", tok, data__mlm_probability=0.3, train__seed=8)
     assert not torch.equal(batch(other_seed.train_set)["labels"], b["labels"])
+    # The train loader gives stream positions (Data.with_epoch): the next epoch masks each sample anew.
+    n = len(data.train_set)
+    next_epoch = batch(data.train_set, [n + i for i in range(n)])
+    assert data.with_epoch and not torch.equal(next_epoch["labels"], b["labels"])
+    unchosen = next_epoch["labels"] == IGNORE_INDEX
+    assert torch.equal(next_epoch["input_ids"][unchosen], torch.from_numpy(ids)[unchosen]), "the same texts, other masks"
     v1, v2 = (
         next(iter(val_loader(data, config_of(data, tmp_path, tok), 1))),
         next(iter(val_loader(again, config_of(data, tmp_path, tok), 1))),
@@ -196,6 +202,8 @@ def test_two_ranks_read_the_batch_one_rank_reads(tmp_path, tok):
     two = [next(iter(train_loader(data, cfg(2), 2, r, start_step=3, pin_memory=False))) for r in (0, 1)]
     for key in one:
         assert torch.equal(one[key], torch.cat([two[0][key], two[1][key]]))
+    n = len(data.train_set)  # the second epoch's batch: every sample again, at its position in that epoch
+    assert sorted(train_loader(data, cfg(n), 1, 0, 0, False).batch_sampler.indices_at(1)) == [n + i for i in range(n)]
 
 
 def seq2seq_model(folder: Path, tok: Path, **config) -> Path:

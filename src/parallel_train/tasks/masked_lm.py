@@ -6,10 +6,10 @@ encoded with the tokenizer's special tokens ([CLS] text [SEP]), cut and padded t
 DataCollatorForLanguageModeling chooses them: 80% become the mask token, 10% a random token, 10% stay; the labels
 are the chosen tokens' ids and -100 everywhere else.
 
-The choice is drawn from a generator of the sample's own, seeded by (train.seed, the split, the sample's index),
-never from the global RNG: a sample is masked the same way on every topology, with any accumulation, after a
-resume, and at every evaluation. (So a sample keeps its mask from one epoch to the next: static masking, as
-BERT's.)
+The choice is drawn from a generator of the sample's own, seeded by (train.seed, the split, the epoch, the
+sample's index), never from the global RNG: a sample is masked the same way on every topology, with any
+accumulation and after a resume, and differently in each epoch (dynamic masking, as transformers' collator does);
+validation samples are masked the same way at every evaluation.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ LAYOUTS = ((("text",), None),)
 MASK_TOKENS = ("[MASK]", "<mask>", "<|mask|>")
 
 
-def generator(seed: int, split: str, index: int) -> torch.Generator:
-    """The generator of one sample's mask: a function of (seed, split, index) only."""
-    key = hashlib.blake2b(f"{seed}/{split}/{index}".encode(), digest_size=8).digest()
+def generator(seed: int, split: str, epoch: int, index: int) -> torch.Generator:
+    """The generator of one sample's mask: a function of (seed, split, epoch, index) only."""
+    key = hashlib.blake2b(f"{seed}/{split}/{epoch}/{index}".encode(), digest_size=8).digest()
     return torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
 
 
@@ -50,18 +50,20 @@ def mask_tokens(
 
 
 class MaskedRows(EncodedRows):
-    """Encoded texts whose batches are masked: input_ids with the chosen tokens replaced, labels at them."""
+    """Encoded texts whose batches are masked: input_ids with the chosen tokens replaced, labels at them. Takes
+    indices, or stream positions epoch * len + index (the train set: Data.with_epoch)."""
 
     def __init__(self, arrays: dict[str, np.ndarray], special: np.ndarray, masking: dict[str, Any]):
         super().__init__(arrays)
         self.special, self.masking = torch.from_numpy(special), masking
 
-    def __getitems__(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        batch = super().__getitems__(indices)
+    def __getitems__(self, positions: list[int]) -> dict[str, torch.Tensor]:
+        drawn = [divmod(p, len(self)) for p in positions]  # (epoch, index)
+        batch = super().__getitems__([i for _, i in drawn])
         m = self.masking
         pairs = [
-            mask_tokens(ids, self.special[i], generator(m["seed"], m["split"], i), m["p"], m["mask_id"], m["vocab_size"])
-            for ids, i in zip(batch["input_ids"], indices, strict=True)
+            mask_tokens(ids, self.special[i], generator(m["seed"], m["split"], e, i), m["p"], m["mask_id"], m["vocab_size"])
+            for ids, (e, i) in zip(batch["input_ids"], drawn, strict=True)
         ]
         return {**batch, "input_ids": torch.stack([x for x, _ in pairs]), "labels": torch.stack([y for _, y in pairs])}
 
@@ -86,7 +88,7 @@ def load(cfg: Any, saved: Any) -> Any:
         masking = dict(seed=cfg.train.seed, split=split, p=cfg.data.mlm_probability, mask_id=mask_id, vocab_size=tokenizer.size)
         return MaskedRows(arrays, special, masking)
 
-    return task_data(cfg, tokenizer, rows, encoded(rows.train, "train"), encoded(rows.val, "validation"))
+    return task_data(cfg, tokenizer, rows, encoded(rows.train, "train"), encoded(rows.val, "validation"), with_epoch=True)
 
 
 TASK = Task(NAME, "AutoModelForMaskedLM", "input_ids", "tokens", load=load)
