@@ -156,7 +156,7 @@ def test_class_names_of_a_datasets_folder_and_its_validation_split(tmp_path, tok
     assert len(data.train_set) == 6 and len(data.val_set) == 1 and batch(data.val_set)["labels"][0, 1] == 2
 
 
-def test_masks_are_a_function_of_seed_and_index_only(tmp_path, tok):
+def test_masks_are_a_function_of_seed_epoch_and_index_only(tmp_path, tok):
     lines = [" ".join(np.random.default_rng(i).choice(WORDS, 12)) for i in range(64)]
     (tmp_path / "lines.txt").write_text("\n".join(lines) + "\n")
     data = load("masked-lm", tmp_path / "lines.txt", tok, data__mlm_probability=0.3)
@@ -328,14 +328,20 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("task, rows, keys, expected", BAD, ids=[f"{t}-{i}" for i, (t, *_) in enumerate(BAD)])
-def test_bad_task_data_is_one_line(tmp_path, tok, task, rows, keys, expected):
-    places = {
-        "t5": seq2seq_model(tmp_path / "t5", tok, decoder_start_token_id=0),
-        "no_start": seq2seq_model(tmp_path / "no_start", tok),
-        "gpt2ish": tmp_path / "bpe.json",
+@pytest.fixture(scope="module")
+def places(tmp_path_factory, tok) -> dict[str, Path]:
+    """What the bad cases name: a seq2seq model folder, one without decoder_start_token_id, a BPE without a mask token."""
+    tmp = tmp_path_factory.mktemp("places")
+    hf_tiny.train_tokenizer().backend_tokenizer.save(str(tmp / "bpe.json"))
+    return {
+        "t5": seq2seq_model(tmp / "t5", tok, decoder_start_token_id=0),
+        "no_start": seq2seq_model(tmp / "no_start", tok),
+        "gpt2ish": tmp / "bpe.json",
     }
-    hf_tiny.train_tokenizer().backend_tokenizer.save(str(places["gpt2ish"]))
+
+
+@pytest.mark.parametrize("task, rows, keys, expected", BAD, ids=[f"{t}-{i}" for i, (t, *_) in enumerate(BAD)])
+def test_bad_task_data_is_one_line(tmp_path, tok, places, task, rows, keys, expected):
     keys = {k: v.format(**places) if isinstance(v, str) else v for k, v in keys.items()}
     path = jsonl(tmp_path / "rows.jsonl", rows) if rows else tmp_path / "rows.jsonl"
     with pytest.raises(UserError) as e:
