@@ -81,7 +81,7 @@ def texts_of(rows: Rows, part: dict[str, list], split: str, d: Any) -> tuple[lis
 
 def shift_right(labels: np.ndarray, start: int, pad: int) -> np.ndarray:
     """decoder_input_ids: labels moved one position right, `start` first, `pad` where the labels are -100."""
-    shifted = np.concatenate([np.full((len(labels), 1), start, dtype=np.int64), labels[:, :-1]], axis=1)
+    shifted = np.concatenate([np.full((len(labels), 1), start, dtype=labels.dtype), labels[:, :-1]], axis=1)
     return np.where(shifted == IGNORE_INDEX, pad, shifted)
 
 

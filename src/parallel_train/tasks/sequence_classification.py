@@ -33,7 +33,7 @@ def load(cfg: Any, saved: Any) -> Any:
         texts = [[str(t) for t in part[c]] for c in rows.texts]
         inputs = list(zip(*texts, strict=True)) if len(texts) == 2 else texts[0]
         arrays = encoder.arrays(encoder.encode(inputs), pairs=len(texts) == 2)
-        return EncodedRows({**arrays, "labels": np.asarray(labels, dtype=np.int64)})
+        return EncodedRows({**arrays, "labels": np.asarray(labels, dtype=np.int32)})
 
     train, val = encoded(rows.train, train_labels), encoded(rows.val, val_labels)
     return task_data(cfg, tokenizer, rows, train, val, files=names_file(names), label_names=names, all_targets_count=True)

@@ -25,7 +25,7 @@ LAYOUTS = ((("tokens",), "ner_tags"),)
 
 def first_subword_labels(encodings: list[Any], tags: list[list[int]]) -> np.ndarray:
     """(N, T) labels: each word's tag on its first token, -100 everywhere else."""
-    labels = np.full((len(encodings), len(encodings[0].ids) if encodings else 0), IGNORE_INDEX, dtype=np.int64)
+    labels = np.full((len(encodings), len(encodings[0].ids) if encodings else 0), IGNORE_INDEX, dtype=np.int32)
     for r, (encoding, row) in enumerate(zip(encodings, tags, strict=True)):
         previous = None
         for t, word in enumerate(encoding.word_ids):
