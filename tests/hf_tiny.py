@@ -136,3 +136,29 @@ def conversations(n: int, seed: int = 0, turns: int = 3) -> list[dict]:
             messages += [{"role": "user", "content": rng.choice(lines)}, {"role": "assistant", "content": " ".join(rng.sample(lines, 2))}]
         rows.append({"messages": messages})
     return rows
+
+
+# ---------------------------------------------------------------- a BERT-style WordPiece tokenizer
+
+BERT_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+
+def bert_tokenizer(texts: list[str] | None = None, vocab_size: int = 120):
+    """A WordPiece tokenizer as BERT's (a `tokenizers.Tokenizer`): [PAD] 0, [UNK] 1, [CLS] 2, [SEP] 3, [MASK] 4, then
+    pieces trained on `texts` (Tiny Shakespeare's first lines by default), so that words split into sub-words
+    (`##...`); its post-processor writes [CLS] a [SEP] and [CLS] a [SEP] b [SEP], with type ids 0 then 1, as BERT's
+    tokenizer.json does. Save it with `.save(folder / "tokenizer.json")`."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    core = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    core.normalizer = normalizers.BertNormalizer(lowercase=True)
+    core.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    core.decoder = decoders.WordPiece()
+    texts = texts or (REPO / "data" / "tinyshakespeare.txt").read_text().splitlines()[:2000]
+    core.train_from_iterator(
+        texts, trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=list(BERT_SPECIALS), show_progress=False)
+    )
+    core.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
+    return core

@@ -56,6 +56,20 @@ class DataConfig:
         False, "chat/instruction: cut a sample longer than model.block_size + 1 tokens to that length; false: such a sample is an error"
     )
     text_column: str = opt("text", "column holding the text in json/csv/parquet/Hub datasets")
+    text_columns: list[str] = opt(
+        [],
+        "model.task other than causal-lm: the text column(s) of each row, e.g. [question,answer] (a pair), [tokens] (words), "
+        "[source]; []: the task's own (docs/data.md: sentence1,sentence2 / sentence / text; tokens; text; source or translation)",
+    )
+    label_column: str = opt(
+        "",
+        "model.task other than causal-lm: the column of each row's label(s) or target text; '': the task's own (label, ner_tags, target)",
+    )
+    mlm_probability: float = opt(
+        0.15, "model.task=masked-lm: the share of tokens masked (80% [MASK], 10% random, 10% kept)", above=0.0, below=1.0
+    )
+    source_lang: str = opt("", "model.task=seq2seq on rows of a `translation` dict: the language key of the source, e.g. en")
+    target_lang: str = opt("", "model.task=seq2seq on rows of a `translation` dict: the language key of the target, e.g. de")
     val_fraction: float = opt(0.1, "share of the corpus held out for validation (the last part)", above=0.0, below=1.0)
     num_samples: int = opt(64, "random data: number of samples; synthetic data: tokens in the train split", min=1)
     synthetic_padding: bool = opt(

@@ -42,6 +42,15 @@ def _tokens(c: Any) -> bool:
     return c.data.path not in ("random", "synthetic")
 
 
+# The tasks whose rows are read by the task itself (tasks/text_rows.py), in its own columns.
+TEXT_TASKS = ("sequence-classification", "token-classification", "masked-lm", "seq2seq")
+
+
+def _task(*tasks: str) -> Callable[[Any], bool]:
+    """Read under these model.task values (or by a data source of your own, which reads what it likes)."""
+    return lambda c: not _text_source(c) or c.model.task in tasks
+
+
 def _prepared(c: Any) -> bool:
     from parallel_train.data.prepared import is_prepared  # the same floor; imported late: it brings numpy and torch
 
@@ -82,9 +91,23 @@ ROWS: tuple[Row, ...] = (
     Row("data.completion_column", "data.format=instruction", lambda c: not _text_source(c) or c.data.format == "instruction"),
     Row(
         "data.text_column",
-        "data.format=text from a json/jsonl/csv/parquet file, a folder of them or a Hub dataset",
-        lambda c: not _text_source(c) or (c.data.format == "text" and _tokens(c) and not c.data.path.endswith(".txt") and not _prepared(c)),
+        "model.task=causal-lm, data.format=text from a json/jsonl/csv/parquet file, a folder of them or a Hub dataset",
+        lambda c: (
+            not _text_source(c)
+            or (
+                c.model.task == "causal-lm"
+                and c.data.format == "text"
+                and _tokens(c)
+                and not c.data.path.endswith(".txt")
+                and not _prepared(c)
+            )
+        ),
     ),
+    Row("data.text_columns", "model.task=sequence-classification, token-classification, masked-lm or seq2seq", _task(*TEXT_TASKS)),
+    Row("data.label_column", "model.task=sequence-classification, token-classification or seq2seq", _task(*TEXT_TASKS[:2], "seq2seq")),
+    Row("data.mlm_probability", "model.task=masked-lm", _task("masked-lm")),
+    Row("data.source_lang", "model.task=seq2seq", _task("seq2seq")),
+    Row("data.target_lang", "model.task=seq2seq", _task("seq2seq")),
     Row(
         "data.tokenizer",
         "tokenized data (not data.path=random or synthetic; prepared data brings its own)",

@@ -39,8 +39,10 @@ class GlobalBatchSampler(Sampler[list[int]]):
         seed: int,
         start_micro_step: int = 0,
         order: str = "randperm",
+        with_epoch: bool = False,
     ):
         assert order in ORDERS, order
+        self.with_epoch = with_epoch  # yield epoch * num_samples + index: the dataset learns which epoch draws it
         self.n, self.batch_size, self.world_size, self.rank, self.seed = num_samples, batch_size, world_size, rank, seed
         self.start_micro_step = start_micro_step
         self._epoch, self._perm = -1, torch.empty(0, dtype=torch.long)
@@ -65,7 +67,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         while pos < start + self.batch_size:  # a batch may straddle two epochs
             epoch, offset = divmod(pos, self.n)
             take = min(self.n - offset, start + self.batch_size - pos)
-            out.extend(self._slice(epoch, offset, take))
+            out.extend(epoch * self.n + i if self.with_epoch else i for i in self._slice(epoch, offset, take))
             pos += take
         return out
 

@@ -103,16 +103,23 @@ def _local_files(spec: str, key: str) -> list[str]:
     path = Path(spec)
     if path.is_file():
         return [str(path)]
+    files = folder_splits(path).get("train", [])
+    if not files:
+        raise UserError(f"{named(key, spec)}: no data files in this folder (give {KINDS} files)")
+    return files
+
+
+def folder_splits(folder: Path) -> dict[str, list[str]]:
+    """The data files of a folder laid out like a Hub dataset, by split, as `datasets` splits them (train.jsonl,
+    validation.jsonl, dev.csv, ...; a folder of files named otherwise is all train), sorted; {} for none."""
     from datasets.data_files import DataFilesDict, get_data_patterns
 
     try:
-        patterns = get_data_patterns(str(path))
-        files = [str(f) for f in DataFilesDict.from_patterns(patterns, base_path=str(path)).get("train", [])]
+        patterns = get_data_patterns(str(folder))
+        found = DataFilesDict.from_patterns(patterns, base_path=str(folder))
     except Exception:  # datasets: EmptyDatasetError when nothing in the folder looks like data
-        files = []
-    if not files:
-        raise UserError(f"{named(key, spec)}: no data files in this folder (give {KINDS} files)")
-    return sorted(files)
+        return {}
+    return {str(split): sorted(str(f) for f in files) for split, files in found.items()}
 
 
 def _check_text_file(path: str, where: str) -> None:
@@ -179,6 +186,30 @@ def load_source(src: Source, column: str, cache_dir: Path | None, column_key: st
         raise UserError(f"{column_key}: {column!r} is not a column of {src.label!r}; columns: {', '.join(ds.column_names)}")
     ds = ds.select_columns([name])
     return ds.rename_column(name, "text") if name != "text" else ds
+
+
+def row_datasets(inputs: list[str], key: str, text_refusal: str = "") -> list[tuple[str, Any]]:
+    """(label, datasets.Dataset with every column) for each file of `inputs` (named by `key` in messages; a Hub dataset
+    is one, labelled by its name), rows in file order. A text file is rows of its lines (column `text`), unless
+    `text_refusal` names why rows are needed (e.g. "data.format=chat"): then it is a one-line error."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    out = []
+    for src in resolve_inputs(inputs, key=key):
+        if src.builder == "text" and text_refusal:
+            raise UserError(f"{text_refusal}: {', '.join(src.files)} is text, not rows; give .jsonl/.json/.csv/.parquet files")
+        for files in [[f] for f in src.files] or [[]]:
+            try:
+                ds = (
+                    datasets.load_dataset(src.builder, data_files=files, split="train")
+                    if files
+                    else datasets.load_dataset(src.builder, split="train")
+                )
+            except Exception as e:
+                raise loading_error(e, key, src.label, files) from None
+            out.append((files[0] if files else src.label, ds))
+    return out
 
 
 def text_pieces(stamps: list[list[Any]], piece: int) -> Iterator[dict[str, str]]:

@@ -21,7 +21,7 @@ import numpy as np
 
 from parallel_train.config.sections import Config, DataConfig
 from parallel_train.data.chat_format import ChatFormat, load_format
-from parallel_train.data.inputs import loading_error, resolve_inputs
+from parallel_train.data.inputs import row_datasets
 from parallel_train.data.packing import PackedSamples, PaddedSamples, Samples, SamplesInMemory, learnable_tokens
 from parallel_train.data.text import Data, check_resumed_tokenizer, vocab_size_for
 from parallel_train.data.tokenizers import Tokenizer, load_tokenizer, needs_corpus
@@ -46,33 +46,17 @@ def sample_format(d: DataConfig, tokenizer: Tokenizer, spec: str) -> ChatFormat:
 def row_sources(d: DataConfig, inputs: list[str] | None = None, key: str = "data.path") -> list[tuple[str, Any]]:
     """(label, datasets.Dataset) for each file of data.path (or `inputs`, named by `key` in messages; a Hub dataset
     is one), rows in file order."""
-    import datasets
-
-    datasets.disable_progress_bars()
     out = []
-    for src in resolve_inputs(inputs or [d.path], key=key):
-        if src.builder == "text":
-            raise UserError(f"data.format={d.format}: {', '.join(src.files)} is text, not rows; give .jsonl/.json/.csv/.parquet files")
-        for files in [[f] for f in src.files] or [[]]:
-            try:
-                ds = (
-                    datasets.load_dataset(src.builder, data_files=files, split="train")
-                    if files
-                    else datasets.load_dataset(src.builder, split="train")
-                )
-            except Exception as e:
-                raise loading_error(e, key, src.label, files) from None
-            missing = [c for c in columns_of(d) if c not in ds.column_names]
-            if missing:
-                column_key = (
-                    "data.messages_column"
-                    if d.format == "chat"
-                    else f"data.{'prompt' if missing[0] == d.prompt_column else 'completion'}_column"
-                )
-                raise UserError(
-                    f"{column_key}: {missing[0]!r} is not a column of {files[0] if files else src.label!r}; columns: {', '.join(ds.column_names)}"
-                )
-            out.append((files[0] if files else src.label, ds.select_columns(list(columns_of(d)))))
+    for label, ds in row_datasets(inputs or [d.path], key, text_refusal=f"data.format={d.format}"):
+        missing = [c for c in columns_of(d) if c not in ds.column_names]
+        if missing:
+            column_key = (
+                "data.messages_column"
+                if d.format == "chat"
+                else f"data.{'prompt' if missing[0] == d.prompt_column else 'completion'}_column"
+            )
+            raise UserError(f"{column_key}: {missing[0]!r} is not a column of {label!r}; columns: {', '.join(ds.column_names)}")
+        out.append((label, ds.select_columns(list(columns_of(d)))))
     return out
 
 

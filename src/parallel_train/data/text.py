@@ -175,6 +175,9 @@ class Data:
     # The class names of a task with labels (tasks/: sequence, token and image classification): label id i is
     # label_names[i]. Taken from the data, the same on every rank and across a resume; the export's id2label.
     label_names: list[str] | None = None
+    # The train set takes stream positions, epoch * len(train_set) + index, instead of indices (data/batch_sampler.py):
+    # a sample may be drawn differently in each epoch, the same on every topology and after a resume (masked-LM masks).
+    with_epoch: bool = False
 
 
 def collate_fn(data: Data, dataset: Dataset) -> Callable:
@@ -291,6 +294,7 @@ def train_loader(
         cfg.train.seed,
         start_micro_step=start_step * cfg.train.gradient_accumulation_steps,
         order=data.order,
+        with_epoch=data.with_epoch,
     )
     # Its own generator: creating the iterator must not draw from the global RNG (dropout's), or a
     # resumed run would drift from an uninterrupted one.

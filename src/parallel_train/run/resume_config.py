@@ -15,6 +15,7 @@ The list is in docs/configuration.md#what-may-change-on-resume; a test reads it 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from parallel_train.config.load import flatten  # {"train": {"lr": 1}} -> {"trai
 from parallel_train.config.sections import Config
 from parallel_train.config.usage import is_read
 from parallel_train.errors import UserError
+from parallel_train.tasks.label_names import LABELS_FILE, changed_labels
 
 SCHEDULE = (
     "train.learning_rate",
@@ -132,11 +134,22 @@ def apply_schedule(scheduler, learning_rate: float) -> None:
 
 def check_same_files(checkpoint: Path, files: dict[str, str]) -> None:
     """A resumed run renders its samples as the checkpoint's run did: the same chat template (Data.files), else the
-    masks of what it learns would change mid-run."""
+    masks of what it learns would change mid-run; and its data has the same class names, else its label ids would
+    mean other classes."""
     template = "chat_template.jinja"
     saved = checkpoint / template
     if template in files and saved.is_file() and saved.read_text(encoding="utf-8") != files[template]:
         raise UserError(
             f"data.chat_template: the resumed run trained with another chat template ({saved}); resume with that one "
             "(data.chat_template=FILE) or start a new output_dir"
+        )
+    saved = checkpoint / LABELS_FILE
+    if (
+        LABELS_FILE in files
+        and saved.is_file()
+        and (change := changed_labels(saved.read_text(encoding="utf-8"), json.loads(files[LABELS_FILE])))
+    ):
+        raise UserError(
+            f"data.path: the resumed run learned other classes ({change}; {saved}), so its label ids would mean other "
+            "classes; resume with the data it was trained on, or start a new output_dir"
         )

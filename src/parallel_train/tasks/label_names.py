@@ -1,0 +1,106 @@
+"""Class names of a task with labels (sequence and token classification), taken from its data.
+
+The names are a `datasets` ClassLabel's when the data has one (a save_to_disk folder, parquet written by `datasets`:
+the labels are then ids already), else the distinct labels of the train rows, sorted (numbers as numbers: 2 before
+10). Label id i is names[i]. Every rank reads the same files, so every rank has the same names; the run saves them
+(LABELS_FILE, in output_dir and every checkpoint: Data.files), and a resumed run whose data gives other names is
+refused (run/resume_config.py), since its ids would mean other classes. A validation label that never occurs in
+training is refused too: the model could never predict it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from numbers import Integral, Real
+from typing import Any
+
+import numpy as np
+
+from parallel_train.checkpoint.json_text import json_text
+from parallel_train.errors import UserError
+from parallel_train.tasks.text_rows import Rows
+
+LABELS_FILE = "label_names.json"
+
+
+def class_label_names(feature: Any) -> list[str] | None:
+    """A ClassLabel's names, also of a list of them (run_ner's ner_tags); None for plain values."""
+    inner = getattr(feature, "feature", feature)  # datasets' List/Sequence of ClassLabel
+    names = getattr(inner, "names", None)
+    return list(names) if names is not None and type(inner).__name__ == "ClassLabel" else None
+
+
+def as_label(value: Any, where: Callable[[], str]) -> Any:
+    """A label value as a dict key: a whole number (1.0 read from a csv) as an int; text as it is."""
+    if isinstance(value, bool) or isinstance(value, str | Integral):
+        return value
+    if isinstance(value, Real) and float(value).is_integer():
+        return int(value)
+    raise UserError(
+        f"data.path: {where()} has the label {value!r}, which is not a class (text or a whole number); regression is not supported"
+    )
+
+
+def ordered(values: set[Any]) -> list[Any]:
+    """Numbers sorted as numbers, texts as texts; a mix is a one-line error (1 and '1' would be two classes)."""
+    numbers = [v for v in values if not isinstance(v, str)]
+    if numbers and len(numbers) < len(values):
+        text = next(v for v in values if isinstance(v, str))
+        raise UserError(f"data.path: the labels mix numbers ({numbers[0]!r}) and text ({text!r}); write every label the same way")
+    return sorted(values)
+
+
+def label_ids(rows: Rows, nested: bool) -> tuple[list[str], list[Any], list[Any]]:
+    """(the class names, the train labels as ids, the validation labels as ids). `nested`: each row holds a list of
+    labels (one per word); else one label."""
+    feature_names = class_label_names(rows.features[rows.label])
+    splits = {"train": rows.train[rows.label], "validation": rows.val[rows.label]}
+    flat = {s: [(i, v) for i, row in enumerate(vs) for v in (row if nested else [row])] for s, vs in splits.items()}
+    if feature_names is not None:
+        names, lookup = feature_names, {i: i for i in range(len(feature_names))}
+    else:
+        classes = ordered({as_label(v, lambda: rows.where("train", i)) for i, v in flat["train"]})  # noqa: B023
+        names, lookup = [str(v) for v in classes], {v: i for i, v in enumerate(classes)}
+    ids = {}
+    for split, pairs in flat.items():
+        mapped = []
+        for i, v in pairs:
+            key = as_label(v, lambda: rows.where(split, i))  # noqa: B023 (called at once)
+            if key not in lookup:
+                raise UserError(unknown(rows, split, i, v, names, feature_names is not None))
+            mapped.append(lookup[key])
+        ids[split] = regroup(mapped, splits[split]) if nested else mapped
+    return names, ids["train"], ids["validation"]
+
+
+def unknown(rows: Rows, split: str, i: int, value: Any, names: list[str], from_feature: bool) -> str:
+    where = rows.where(split, i)
+    if from_feature:
+        return f"data.path: {where} has the label id {value!r}, not one of its ClassLabel's {len(names)} classes (0..{len(names) - 1}); fix or remove the row"
+    return (
+        f"data.path: {where} has the label {value!r}, which no train row has (train labels: {', '.join(names[:8])}"
+        f"{', ...' if len(names) > 8 else ''}); the model could never predict it: add train rows of it, or remove the row"
+    )
+
+
+def regroup(flat: list[int], like: list[list[Any]]) -> list[list[int]]:
+    """`flat` cut into rows as long as those of `like`."""
+    ends = np.cumsum([len(row) for row in like])
+    return [flat[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+
+
+def names_file(names: list[str]) -> dict[str, str]:
+    """The file the run saves its class names in (Data.files)."""
+    return {LABELS_FILE: json_text(names) + "\n"}
+
+
+def changed_labels(saved_text: str, names: list[str]) -> str | None:
+    """What differs between a resumed run's saved names and this data's, or None."""
+    saved = json.loads(saved_text)
+    if saved == names:
+        return None
+    at = next((i for i, (a, b) in enumerate(zip(saved, names, strict=False)) if a != b), min(len(saved), len(names)))
+    was = repr(saved[at]) if at < len(saved) else "none"
+    now = repr(names[at]) if at < len(names) else "none"
+    return f"{len(saved)} classes before, {len(names)} now; label id {at} was {was}, is {now}"
