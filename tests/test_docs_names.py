@@ -42,6 +42,7 @@ ALLOWED_PATHS = {
     r"data/wordpiece\.json|data/chats\.jsonl": "written by a command the guide shows (train_tokenizer.py, make_tiny_chat_model.py)",
     r"data/tinyshakespeare/input\.txt": "the corpus's path in karpathy/char-rnn, where data/README.md says it came from",
     r"script\.py": "the reader's own script (guide.md: from a hand-written DDP script)",
+    r"my_\w+\.py|FILE\.py": "the reader's own file a key names (eval.metric=FILE.py:FUNCTION)",
 }
 
 # Dotted names the docs give that are not config keys, each for a reason (fullmatched). Besides these: a Python
