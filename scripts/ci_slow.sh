@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The slow tests (pytest -m slow): the code paths that only they reach, listed in docs/contributing.md ("Tests"),
 # and second launches of paths the default suite covers. Run it before a release, and after touching one of those
-# paths. It takes the README's test set-up (.venv with requirements-dev.txt); extra arguments go to pytest.
+# paths. Second launches include tests/test_dict_batches.py's one layout per launch (the default suite composes them:
+# FSDP2 x TP, DDP x the one-process pipeline) and its Hub decoder on padded dicts under DDP, FSDP2, TP and FSDP2 x TP.
+# It takes the README's test set-up (.venv with requirements-dev.txt); extra arguments go to pytest.
 #
 #   bash scripts/ci_slow.sh                 every slow test
 #   bash scripts/ci_slow.sh -k mesh -x      some of them

@@ -22,7 +22,8 @@ as before, so the default path is unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import inspect
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -81,12 +82,42 @@ def concat(batches: list[Batch]) -> Batch:
     return tuple(torch.cat(ts) for ts in zip(*batches, strict=True))
 
 
+def named_inputs(forward: Callable) -> tuple[str, ...]:
+    """The keyword inputs `forward` names, after its first (the main input): what a model promises to take in
+    every pipeline stage, as it takes a packed batch's positions (a part it does not hold is None there)."""
+    params = list(inspect.signature(forward).parameters.values())[1:]
+    return tuple(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
 def refuse_other_inputs(kwargs: dict[str, Any], where: str, allowed: tuple[str, ...] = ("positions",)) -> None:
-    """One line when a batch brings keyword inputs that `where` (a layout) cannot hand to its model's parts."""
+    """One line when a batch brings keyword inputs that `where` (a layout) cannot hand to its model's stages: every
+    stage gets the inputs its forward names (`allowed`: named_inputs), a forward's **kwargs reach none."""
     other = [k for k in kwargs if k not in allowed]
     if other:
         raise UserError(
-            f"the batch's {other[0]!r} input cannot travel through {where}, which passes only the main input"
-            f"{' and ' + ', '.join(allowed) if allowed else ''} to its stages; train this data without pipeline stages "
-            "(data parallel, parallel.dp_shard or parallel.tp), or drop that key from the batch"
+            f"the batch's {other[0]!r} input cannot travel through {where}, which passes the main input"
+            f"{' and ' + ', '.join(allowed) if allowed else ''} (the inputs the model's forward names) to its stages; "
+            f"name {other[0]!r} in the forward's arguments (every stage then gets it, and a stage skips what it does not hold), "
+            "train without pipeline stages (data parallel, parallel.dp_shard or parallel.tp), or drop that key from the batch"
         )
+
+
+def takes(forward: Callable, key: str) -> bool:
+    """Whether `forward` takes the keyword argument `key`: by that name, or any name (**kwargs)."""
+    params = inspect.signature(forward).parameters.values()
+    return any(p.kind is p.VAR_KEYWORD or (p.name == key and p.kind is not p.POSITIONAL_ONLY) for p in params)
+
+
+def check_model_takes(forward: Callable, batch: Batch, cfg: Any, task_data: bool) -> None:
+    """At start, before the first step: the model's forward takes every input the batch gives (the model is called
+    `model(main, **others)`), or one line names the key and the model. Without it the first step would end in a
+    TypeError from inside the engine, or, on a pipeline, in a hang of the other stages. `task_data`: the batch is
+    model.task's own loader's, not data.source's."""
+    _, _, others = parts(batch)
+    for key in others:
+        if not takes(forward, key):
+            where = f"model.task={cfg.model.task}'s data" if task_data else f"data.source={cfg.data.source}"
+            raise UserError(
+                f"data gives {key!r}, which model.name={cfg.model.name}'s forward does not take ({where}); "
+                f"give the forward a {key!r} argument (or **kwargs), or drop {key!r} from the data's batches"
+            )

@@ -173,20 +173,21 @@ class HFCausalLM(nn.Module):
         self.hf.training = mode  # and the transformers model itself, which its own forward may consult
         return self
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, vocab). A pipeline stage may lack some parts (hf_layouts.py).
         `positions`: a packed batch's (data/batch.py), given to the model as position_ids, from which transformers'
-        attention masks keep the samples apart."""
+        attention masks keep the samples apart. `attention_mask`: a dict batch's (B, T) 1/0 padding mask, given to
+        the model as transformers takes it (every pipeline stage builds its layers' masks from it)."""
         if self.layout is None:
             if positions is None:
-                return self.hf(input_ids=x, use_cache=False).logits
+                return self.hf(input_ids=x, attention_mask=attention_mask, use_cache=False).logits
             if "position_ids" not in inspect.signature(self.hf.forward).parameters:
                 raise UserError(
                     f"data.packing: model.hf_path {self.hf_path!r} ({self.hf.config.model_type}) takes no position_ids, so packed "
                     "samples cannot be kept apart; set data.packing=false"
                 )
-            return self.hf(input_ids=x, position_ids=positions, use_cache=False).logits
-        return hf_layouts.run_decoder(self, self.layout, self.hf.config, x, positions)
+            return self.hf(input_ids=x, position_ids=positions, attention_mask=attention_mask, use_cache=False).logits
+        return hf_layouts.run_decoder(self, self.layout, self.hf.config, x, positions, attention_mask)
 
     # What accelerate's FSDP2 preparation asks of a transformers model (its embeddings get FSDP units of their own).
     def get_input_embeddings(self) -> nn.Module:

@@ -7,7 +7,8 @@ the splitter), computing in every stage what its layers need besides the hidden 
   transformers' masks keep the packed samples apart (`find_packed_sequence_indices`);
 - the rotary cos/sin from the model's own rotary module (Llama-style models);
 - the causal mask through the model's attention implementation (`create_causal_mask`: None under sdpa, which
-  then runs its is_causal kernel; a sliding-window mask for layers that slide).
+  then runs its is_causal kernel; a sliding-window mask for layers that slide), with a dict batch's padding
+  (`attention_mask`, (B, T) 1/0) folded in as the model's own forward folds it.
 
 A layout names the parts of one family; `LAYOUTS` maps a config's model_type to its layout. Each family listed
 is tested equal to the model's own forward (logits and gradients, tests/test_hf_models.py). Other causal LMs run
@@ -88,16 +89,20 @@ class LayerInputs:
     """What the decoder layers need besides the hidden states, for one batch: computed once per device (the
     stages of a one-process pipeline sit on different devices) from the model's own rotary module and masks."""
 
-    def __init__(self, base: nn.Module, layout: Layout, config: Any, hidden: torch.Tensor, positions: torch.Tensor | None = None):
+    def __init__(
+        self, base: nn.Module, layout: Layout, config: Any, hidden: torch.Tensor, positions: torch.Tensor | None = None, padding=None
+    ):
         self.base, self.layout, self.config = base, layout, config
         self.batch, self.length, self.dtype = hidden.shape[0], hidden.shape[1], hidden.dtype
         self.positions = positions  # a packed batch's (B, T), or None: 0..T-1
+        self.padding = padding  # a dict batch's attention_mask (B, T), 1 = a real token, or None: no padding
         self.cache: dict[torch.device, dict[str, Any]] = {}
 
     def _masks(self, embeds: torch.Tensor, positions: torch.Tensor) -> dict[str, Any]:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-        args = {"config": self.config, "inputs_embeds": embeds, "attention_mask": None, "cache": None, "position_ids": positions}
+        padding = None if self.padding is None else self.padding.to(embeds.device)
+        args = {"config": self.config, "inputs_embeds": embeds, "attention_mask": padding, "cache": None, "position_ids": positions}
         masks = {"full_attention": create_causal_mask(**args)}
         if "sliding_attention" in (getattr(self.config, "layer_types", None) or ()) or getattr(self.config, "sliding_window", None):
             masks["sliding_attention"] = create_sliding_window_causal_mask(**args)
@@ -129,9 +134,9 @@ class LayerInputs:
         return inputs
 
 
-def run_decoder(model: nn.Module, layout: Layout, config: Any, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+def run_decoder(model: nn.Module, layout: Layout, config: Any, x: torch.Tensor, positions=None, attention_mask=None) -> torch.Tensor:
     """Token ids (or the previous stage's hidden states) -> logits (or this stage's hidden states). `positions`:
-    a packed batch's (data/batch.py), which every stage receives."""
+    a packed batch's (data/batch.py); `attention_mask`: a dict batch's padding; every stage receives both."""
     base = getattr(model, layout.base)
     h = x
     if getattr(base, layout.embeddings[0]) is not None:
@@ -139,7 +144,7 @@ def run_decoder(model: nn.Module, layout: Layout, config: Any, x: torch.Tensor, 
         if getattr(model, "lora", False) and torch.is_grad_enabled() and not any(p.requires_grad for p in model.parameters()):
             h.requires_grad_()  # a LoRA pipeline stage with no adapter (the embedding alone): pipelining's backward needs a gradient
     layers = getattr(base, layout.layers)
-    inputs = LayerInputs(base, layout, config, h, positions) if len(layers) else None
+    inputs = LayerInputs(base, layout, config, h, positions, attention_mask) if len(layers) else None
     for key, layer in layers.named_children():
         device = _device_of(layer, h.device)
         h = layer(h.to(device), use_cache=False, **inputs.for_layer(int(key), device))

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from parallel_train.data.batch import parts
 from parallel_train.losses import loss_fn
 from parallel_train.parallel.collectives import all_reduce_small
 from parallel_train.parallel.parts import model_units
@@ -79,7 +80,7 @@ def measure_units(model: nn.Module, probe: Callable[[], tuple[torch.Tensor, torc
     (parallel/model_init.py). The times it measured stay in its `seconds` (for the banner)."""
 
     def measure(units: list[str]) -> list[float]:
-        x, y, *_ = probe()  # a packed batch's positions left out: the cost of a unit, not of a mask
+        x, y, _ = parts(probe())  # a packed batch's positions, a dict's other inputs left out: the cost of a unit
         times = agreed_unit_times(model, units, x, y, device, init)
         measure.seconds = dict(zip(units, times, strict=True))
         return times

@@ -33,7 +33,7 @@ from torch import nn
 
 from parallel_train.checkpoint.named_state import RankState
 from parallel_train.config.sections import Config
-from parallel_train.data.batch import concat, parts, refuse_other_inputs
+from parallel_train.data.batch import concat, named_inputs, parts, refuse_other_inputs
 from parallel_train.errors import UserError
 from parallel_train.losses import logits_of
 from parallel_train.models.ties import find_ties
@@ -135,6 +135,7 @@ class MultiProcessPipelineEngine:
         refuse_cut_ties(model, ties, layout.tp)
         measure = measure_units(model, probe, self.device, init)
         plan = plan_stages(model, S * V, p.split, measure)
+        self.inputs = named_inputs(model.forward)  # the batch's inputs every stage gets (positions, attention_mask, ...)
         self.stage_ids = stages_of_rank(self.pp_rank, S, V, p.schedule)  # the placement the schedule expects
         self.where = rank_of_stage(S, V, p.schedule)
         # One view holding all this rank's parts (names, optimizer, checkpoints) and one per stage (execution).
@@ -213,18 +214,19 @@ class MultiProcessPipelineEngine:
 
     def forward_backward(self, micro, scale: torch.Tensor, precision: Precision) -> torch.Tensor:
         """All micro-steps in one schedule step (A x M micro-batches): one flush, one gradient reduction."""
-        x, y, positions = parts(concat(micro), self.device)
-        refuse_other_inputs(positions, f"the multi-process pipeline (parallel.pipeline_stages={self.S})")
+        x, y, others = parts(concat(micro), self.device)
+        refuse_other_inputs(others, f"the multi-process pipeline (parallel.pipeline_stages={self.S})", self.inputs)
         self._scale, self._sums = scale.to(self.device), []
         self.profiling = self._steps % self.profile_every == 0
         if self.profiling:
             self.recorder.start_flush()
         args = (x,) if self.is_first else ()
-        # A packed batch's positions go to every stage, each cut into the same micro-batches as the inputs: every
-        # pipeline rank reads the batch, and torch's schedules pass step()'s keyword arguments to all stages.
+        # The other inputs (a packed batch's positions, a padding mask) go to every stage, each cut into the same
+        # micro-batches as the inputs: every pipeline rank reads the batch, and torch's schedules pass step()'s keyword
+        # arguments to all stages.
         kwargs = {"target": y, "losses": []} if self.is_last else {}
         with precision.autocast(self.autocast):
-            self.schedule.step(*args, **kwargs, **positions, return_outputs=False)  # the losses are all it needs
+            self.schedule.step(*args, **kwargs, **others, return_outputs=False)  # the losses are all it needs
         self.recorder.end_flush()
         self.profiling = False
         self._steps += 1
@@ -240,8 +242,8 @@ class MultiProcessPipelineEngine:
 
     def eval_forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor | None:
         """Forward only through the stages (placement.forward_through); the last stage's tensor-parallel rank 0
-        reports the logits. kwargs (a packed batch's positions) go to every stage."""
-        refuse_other_inputs(kwargs, f"the multi-process pipeline (parallel.pipeline_stages={self.S})")
+        reports the logits. kwargs (a packed batch's positions, a padding mask) go to every stage."""
+        refuse_other_inputs(kwargs, f"the multi-process pipeline (parallel.pipeline_stages={self.S})", self.inputs)
         stages = dict(zip(self.stage_ids, self.stage_mods, strict=True))
         with self.precision.autocast(self.autocast):
             logits = forward_through(stages, self.where, self.pp_rank, x, self.pp_group, self.device, kwargs)

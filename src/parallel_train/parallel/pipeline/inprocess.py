@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from parallel_train.config.sections import Config
-from parallel_train.data.batch import refuse_other_inputs
+from parallel_train.data.batch import named_inputs, refuse_other_inputs
 from parallel_train.errors import UserError
 from parallel_train.models.ties import describe, find_ties, tie_groups
 from parallel_train.parallel.ddp_engine import DataParallelEngine, OptimizerFactory
@@ -124,6 +124,7 @@ class PipelineModule(nn.Module):
     ):
         super().__init__()
         self.model, self.devices, self.microbatches = model, devices, microbatches
+        self.inputs = named_inputs(model.forward)  # the batch's inputs every stage gets (positions, attention_mask, ...)
         self.recorder, self.profile_every, self.clock = recorder, profile_every, Clock(devices)
         self._mb, self._flushes, self._stamps, self.profiling = 0, 0, [], False
         units = model_units(model)
@@ -191,10 +192,10 @@ class PipelineModule(nn.Module):
     def finish_profile(self) -> None:
         self._close_flush()
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, **others: torch.Tensor) -> torch.Tensor:
-        """`positions`: a packed batch's (data/batch.py), cut into the same micro-batches as the inputs; any other input
-        of a dict batch is one line (the stages pass only these two)."""
-        refuse_other_inputs(others, "the one-process pipeline (parallel.stage_devices)")
+    def forward(self, x: torch.Tensor, **others: torch.Tensor) -> torch.Tensor:
+        """`others`: a packed batch's positions, a dict batch's other inputs (data/batch.py), each cut into the same
+        micro-batches as the inputs and given to the model (every stage), if its forward names them; else one line."""
+        refuse_other_inputs(others, "the one-process pipeline (parallel.stage_devices)", self.inputs)
         training = self.training and torch.is_grad_enabled()
         if training:
             self._close_flush()  # the previous flush's backward has run by now
@@ -206,7 +207,8 @@ class PipelineModule(nn.Module):
             self.profiling = False  # evaluation is not part of the schedule picture
         x = x.to(self.devices[0])
         chunks = torch.tensor_split(x, self.microbatches)
-        kwargs = [{}] * len(chunks) if positions is None else [{"positions": p} for p in torch.tensor_split(positions, self.microbatches)]
+        split = {k: torch.tensor_split(v, self.microbatches) for k, v in others.items()}
+        kwargs = [{k: v[mb] for k, v in split.items()} for mb in range(len(chunks))]
         outputs = []
         for mb, (chunk, kw) in enumerate(zip(chunks, kwargs, strict=True)):
             self._mb = mb
