@@ -24,6 +24,7 @@ from parallel_train.config.load import flatten  # {"train": {"lr": 1}} -> {"trai
 from parallel_train.config.sections import Config
 from parallel_train.config.usage import is_read
 from parallel_train.errors import UserError
+from parallel_train.tasks.class_names import check_resumed as check_resumed_classes
 
 SCHEDULE = (
     "train.learning_rate",
@@ -131,7 +132,8 @@ def apply_schedule(scheduler, learning_rate: float) -> None:
 
 def check_same_files(checkpoint: Path, files: dict[str, str]) -> None:
     """A resumed run renders its samples as the checkpoint's run did: the same chat template (Data.files), else the
-    masks of what it learns would change mid-run."""
+    masks of what it learns would change mid-run; and the same class names, else every label id would change meaning."""
+    check_resumed_classes(checkpoint, files)
     template = "chat_template.jinja"
     saved = checkpoint / template
     if template in files and saved.is_file() and saved.read_text(encoding="utf-8") != files[template]:
