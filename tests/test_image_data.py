@@ -170,7 +170,7 @@ BAD_FOLDERS = [
     ("one_class", "has one class folder (cat); a classifier needs two or more"),
     ("empty_class", "the class folder {root}/fish holds no image; add images to it or remove it"),
     ("not_an_image", "not_an_image/cat/notes.txt is not an image (.png, .jpg, .jpeg, .webp, .bmp, ...); move it out"),
-    ("broken_png", "broken_png/dog/9.png is not an image Pillow can read (cannot identify image file"),
+    ("broken_png", "broken_png/dog/9.png is not an image Pillow can read (not a format it knows); remove or replace it"),
     ("validation_class_not_trained", "the class 'fish' has validation images but no train/fish/ folder"),
     ("no_train_folder", "has validation folders but no train/"),
     ("empty", "holds no files; an imagefolder holds"),

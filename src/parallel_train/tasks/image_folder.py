@@ -38,6 +38,7 @@ def load_images(cfg: Config, saved: Any = None) -> Data:
     root = Path(cfg.data.path).expanduser()
     if not root.is_dir():
         raise UserError(f"data.path: {cfg.data.path!r} is not a folder; model.task=image-classification reads an imagefolder ({LAYOUT})")
+    processor = image_processor(cfg.model)  # first: a missing one is one line before any image is read
     splits = split_images(root)
     names = class_names(root, splits)
     if "validation" in splits:
@@ -45,7 +46,6 @@ def load_images(cfg: Config, saved: Any = None) -> Data:
     else:
         train, val = fraction_split(splits["train"], cfg.data.val_fraction)
         how = f"data.val_fraction={cfg.data.val_fraction} of {len(splits['train'])}"
-    processor = image_processor(cfg.model)
     ids = {name: i for i, name in enumerate(names)}
     train_set, val_set = (ImageSamples(files, [ids[f.parent.name] for f in files], processor) for files in (train, val))
     shape = tuple(train_set.__getitems__([0])["pixel_values"].shape[1:])
@@ -131,7 +131,14 @@ def check_readable(image: Path) -> None:
         with Image.open(image):
             pass
     except OSError as e:  # PIL.UnidentifiedImageError is one
-        raise UserError(f"data.path: {image} is not an image Pillow can read ({first_line(e)}); remove or replace it") from None
+        raise unreadable(image, e) from None
+
+
+def unreadable(image: Path, e: OSError) -> UserError:
+    from PIL import UnidentifiedImageError
+
+    reason = "not a format it knows" if isinstance(e, UnidentifiedImageError) else first_line(e)  # its own message repeats the path
+    return UserError(f"data.path: {image} is not an image Pillow can read ({reason}); remove or replace it")
 
 
 def class_names(root: Path, splits: dict[str, list[Path]]) -> list[str]:
@@ -223,7 +230,7 @@ class ImageSamples(Dataset):
             with Image.open(self.files[i]) as image:
                 return image.convert("RGB")
         except OSError as e:
-            raise UserError(f"data.path: {self.files[i]} is not an image Pillow can read ({first_line(e)}); remove or replace it") from None
+            raise unreadable(self.files[i], e) from None
 
 
 def first_line(e: BaseException) -> str:
