@@ -11,10 +11,11 @@ import pytest
 import torch
 from PIL import Image
 
-from helpers import WarmCmd, launch_env, run, snapshot
+from helpers import REPO, WarmCmd, launch_env, run, snapshot, train_losses
 from parallel_train.config.load import load_config
 from parallel_train.data.text import train_loader, val_loader
 from parallel_train.errors import UserError
+from parallel_train.models.hf import HFConfig
 from parallel_train.run.resume_config import check_same_files
 from parallel_train.tasks.class_names import FILE
 from parallel_train.tasks.registry import TASKS
@@ -114,26 +115,41 @@ def test_a_resume_on_other_classes_is_refused(tmp_path, processor):
         check_same_files(checkpoint, load(tmp_path / "pets", processor).files)
 
 
-def test_images_train_and_checkpoint_through_the_trainer_and_a_resume_on_other_classes_is_refused(tmp_path, processor):
-    """A tiny classifier of the user's (tests/image_train.py) through the real Trainer: no tokenizer to save, the class
-    names saved with the run and every checkpoint; a resume on other classes is one line, and leaves the run as it was."""
+@pytest.mark.multiprocess
+def test_the_cv_example_recipe_trains_alike_on_one_and_two_processes_and_keeps_its_classes(tmp_path, processor):
+    """configs/cv_example.yaml, tiny, with a tiny classifier of the user's (tests/image_train.py: model.name=hf serves
+    images once it is merged) through the real Trainer: one process == two (DDP), no tokenizer to save, the class
+    names saved with the run and every checkpoint; a resume on other classes is one line and leaves the run as it was."""
     make_images(tmp_path / "pets")
-    out = tmp_path / "run"
-    args = ["model.name=tinyvision", "model.task=image-classification", f"model.hf_path={processor}", f"data.path={tmp_path / 'pets'}"]
-    args += [f"output_dir={out}", "train.batch_size=2", "eval.iters=1", "eval.interval=2", "checkpoint.interval=2", "tracker=none"]
-    env = launch_env(tmp_path)
-    first = run(WarmCmd(1, "tests/image_train.py", (*args, "train.max_steps=2")), env=env, timeout=120)
-    assert first.returncode == 0, first.output[-3000:]
-    assert json.loads((out / FILE).read_text()) == ["bird", "cat", "dog"]
-    assert (out / "checkpoints" / "step_0000002" / FILE).is_file() and not (out / "vocab.json").exists()
-    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+    args = ["--config", "configs/cv_example.yaml", "model.name=tinyvision", f"model.hf_path={processor}", f"data.path={tmp_path / 'pets'}"]
+    args += ["data.num_workers=0", "train.max_steps=2", "train.warmup_steps=1", "train.lr_decay_steps=2", "train.log_interval=1"]
+    args += ["eval.interval=2", "eval.iters=1", "eval.batch_size=4", "checkpoint.interval=2", "tracker=none"]
+    env, one, two = launch_env(tmp_path), tmp_path / "one", tmp_path / "two"
+    runs = [(1, one, "train.batch_size=4"), (2, two, "train.batch_size=2")]
+    for nproc, out, batch in runs:
+        result = run(WarmCmd(nproc, "tests/image_train.py", (*args, batch, f"output_dir={out}")), env=env, timeout=120)
+        assert result.returncode == 0, result.output[-3000:]
+    assert list(train_losses(one)) == [1, 2]
+    assert train_losses(one) == pytest.approx(train_losses(two), abs=1e-5)
+    assert json.loads((one / FILE).read_text()) == ["bird", "cat", "dog"]
+    assert (one / "checkpoints" / "step_0000002" / FILE).is_file() and not (one / "vocab.json").exists()
     shutil.copytree(tmp_path / "pets", tmp_path / "more")
     make_images(tmp_path / "more", classes=("fish",))
-    before = snapshot(out)
-    refused = run(WarmCmd(1, "tests/image_train.py", (*args, f"data.path={tmp_path / 'more'}", "train.max_steps=3")), env=env, timeout=120)
+    before = snapshot(one)
+    more = (*args, "train.batch_size=4", f"output_dir={one}", f"data.path={tmp_path / 'more'}", "train.max_steps=3")
+    refused = run(WarmCmd(1, "tests/image_train.py", more), env=env, timeout=120)
     errors = [line for line in refused.output.splitlines() if line.startswith("error:")]
     assert refused.returncode == 2 and len(errors) == 1 and "(new: fish)" in errors[0], refused.output[-3000:]
-    assert "Traceback" not in refused.output and snapshot(out) == before
+    assert "Traceback" not in refused.output and snapshot(one) == before
+
+
+@pytest.mark.skipif(
+    "image-classification" not in HFConfig.tasks, reason="model.name=hf is built for causal LMs only until it serves images"
+)
+def test_the_cv_example_config_loads_as_written(processor):
+    """configs/cv_example.yaml with model.name=hf (docs/guide.md 5a), the model folder made here."""
+    cfg, _ = load_config(["--config", str(REPO / "configs" / "cv_example.yaml"), f"model.hf_path={processor}"])
+    assert (cfg.model.name, cfg.model.task, cfg.data.val_fraction, cfg.train.batch_size) == ("hf", "image-classification", 0.2, 64)
 
 
 def folder_with(tmp_path, what: str):

@@ -56,7 +56,12 @@ class DataConfig:
         False, "chat/instruction: cut a sample longer than model.block_size + 1 tokens to that length; false: such a sample is an error"
     )
     text_column: str = opt("text", "column holding the text in json/csv/parquet/Hub datasets")
-    val_fraction: float = opt(0.1, "share of the corpus held out for validation (the last part)", above=0.0, below=1.0)
+    val_fraction: float = opt(
+        0.1,
+        "share held out for validation: the last part of a corpus; a fixed draw of an imagefolder without validation/",
+        above=0.0,
+        below=1.0,
+    )
     num_samples: int = opt(64, "random data: number of samples; synthetic data: tokens in the train split", min=1)
     synthetic_padding: bool = opt(
         False, "synthetic data: each sample keeps a random number of targets and pads the rest (-100), as padded chat data does"
