@@ -143,6 +143,23 @@ def test_the_cv_example_recipe_trains_alike_on_one_and_two_processes_and_keeps_i
     assert "Traceback" not in refused.output and snapshot(one) == before
 
 
+def test_an_image_that_fails_to_decode_in_a_loader_worker_is_one_line(tmp_path, processor):
+    """A truncated PNG passes the start's header check and fails when its batch is drawn, in a DataLoader worker
+    (data.num_workers=1): torch raises it again in the training process, and the error is still one line."""
+    make_images(tmp_path / "pets")
+    Image.new("RGB", (64, 64), (1, 2, 3)).save(tmp_path / "big.png")
+    big = (tmp_path / "big.png").read_bytes()
+    (tmp_path / "pets" / "cat" / "0.png").write_bytes(big[: len(big) // 2])
+    cfg = config(tmp_path / "pets", processor, "data.num_workers=1")
+    data = TASKS["image-classification"].load(cfg, None)
+    batches = iter(train_loader(data, cfg, 1, 0, 0, False))
+    with pytest.raises(UserError) as e:
+        for _ in range(len(data.train_set)):  # every sample at least once
+            next(batches)
+    broken = tmp_path / "pets" / "cat" / "0.png"
+    assert str(e.value) == f"data.path: {broken} is not an image Pillow can read (image file is truncated); remove or replace it"
+
+
 @pytest.mark.skipif(
     "image-classification" not in HFConfig.tasks, reason="model.name=hf is built for causal LMs only until it serves images"
 )
