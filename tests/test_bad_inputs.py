@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from PIL import Image
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 import hf_tiny
@@ -21,9 +22,13 @@ from helpers import TINY, check, launch_env, run, snapshot, train_cmd, warm_cmd
 from parallel_train.checkpoint import checkpointer
 from parallel_train.data.prepare import Options, prepare
 from parallel_train.data.tokenizers import CharVocab
+from parallel_train.models.hf import HFConfig
 
 pytestmark = pytest.mark.multiprocess
 
+# The image cases run through train.py once model.name=hf is built for image classification (models/hf.py,
+# HFConfig.tasks); until then tests/test_image_data.py holds each of their lines in process.
+IMAGES_SERVED = "image-classification" in HFConfig.tasks
 BASE = (*TINY, "train.max_steps=3", "train.lr_decay_steps=3", "eval.interval=3", "checkpoint.interval=3")
 
 
@@ -104,7 +109,26 @@ def env(tmp_path_factory):
     assert marked in hf_tiny.CHAT_TEMPLATE_MARKED
     content_only = "{% generation %}{{ m['content'] }}{% endgeneration %}{{ '<|im_end|>' + '\n' }}"
     (f / "content_only.jinja").write_text(hf_tiny.CHAT_TEMPLATE_MARKED.replace(marked, content_only))
+    if IMAGES_SERVED:
+        image_files(f)
     return {"tmp": tmp, "run": run_dir, "files": f}
+
+
+def image_files(f: Path) -> None:
+    """Image classification (issue 27): an imagefolder with one thing wrong each, a tiny ViT with and without its processor."""
+    from transformers import ViTConfig, ViTImageProcessor  # imported here: collecting this file stays cheap
+
+    for name, folders in (("images_flat", ["."]), ("images_empty_class", ["cat", "dog", "fish"]), ("images_broken", ["cat", "dog"])):
+        for folder in folders:
+            (f / name / folder).mkdir(parents=True, exist_ok=True)
+            if folder != "fish":
+                Image.new("RGB", (8, 8)).save(f / name / folder / "0.png")
+    (f / "images_broken" / "dog" / "1.png").write_bytes(b"not a png")
+    ViTConfig(
+        image_size=16, patch_size=8, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
+    ).save_pretrained(f / "vit")
+    shutil.copytree(f / "vit", f / "vit_bare")
+    ViTImageProcessor(size=16).save_pretrained(f / "vit")
 
 
 # model.name=hf on chat rows, in an output_dir of its own (the GPT run's tokenizer is not this model's)
@@ -112,6 +136,9 @@ CHAT = ["model.name=hf", "model.hf_path={files}/chat_llama", "model.block_size=1
 
 # model.name=hf, random weights, a new output_dir
 PLAIN_HF = ["model.name=hf", "model.hf_path={files}/plain_llama", "model.hf_pretrained=false", "resume=none", "output_dir={files}/new_out"]
+
+# model.name=hf on an imagefolder, a new output_dir (model.task=image-classification, tasks/image_folder.py)
+IMAGES = ["model.name=hf", "model.hf_path={files}/vit", "model.task=image-classification", "resume=none", "output_dir={files}/image_out"]
 
 # (id, arguments; {run} {files} are filled in, what the error line must contain[, environment of the case])
 CASES = [
@@ -267,6 +294,19 @@ CASES = [
         "data.packing: model.name=mlp does not take a packed batch's positions",
     ),
 ]
+
+IMAGE_CASES = [
+    ("image_not_in_a_class_folder", [*IMAGES, "data.path={files}/images_flat"], "images_flat/0.png is not in a class folder"),
+    ("image_class_folder_empty", [*IMAGES, "data.path={files}/images_empty_class"], "images_empty_class/fish holds no image"),
+    ("image_unreadable", [*IMAGES, "data.path={files}/images_broken"], "images_broken/dog/1.png is not an image Pillow can read"),
+    (
+        "image_processor_missing",
+        [*IMAGES, "data.path={files}/images_broken", "model.hf_path={files}/vit_bare"],
+        "vit_bare' has no preprocessor_config.json (the image processor",
+    ),
+]
+if IMAGES_SERVED:
+    CASES += IMAGE_CASES
 
 
 def fill(args: list[str], env) -> list[str]:

@@ -31,6 +31,14 @@ ERROR_WAIT_S = 5.0  # how long a failing rank waits to learn whether every rank 
 class UserError(Exception):
     """A problem with the user's input. The message names what is wrong and how to fix it."""
 
+    def __init__(self, message: str = "", *args):
+        # torch's DataLoader raises a worker's error again in the training process as its type built from "Caught
+        # UserError in DataLoader worker process N.\nOriginal Traceback ...\n...UserError: MESSAGE": keep MESSAGE,
+        # the one line (an image that cannot be decoded, read with data.num_workers > 0).
+        if isinstance(message, str) and message.startswith("Caught ") and "\nOriginal Traceback" in message:
+            message = message.rstrip().rsplit("\n", 1)[-1].split(": ", 1)[-1]
+        super().__init__(message, *args)
+
 
 class NoLauncher(UserError):
     """The environment claims a distributed launch that no launcher made (parallel/launch_env.py): this process is alone."""

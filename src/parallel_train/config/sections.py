@@ -70,7 +70,12 @@ class DataConfig:
     )
     source_lang: str = opt("", "model.task=seq2seq on rows of a `translation` dict: the language key of the source, e.g. en")
     target_lang: str = opt("", "model.task=seq2seq on rows of a `translation` dict: the language key of the target, e.g. de")
-    val_fraction: float = opt(0.1, "share of the corpus held out for validation (the last part)", above=0.0, below=1.0)
+    val_fraction: float = opt(
+        0.1,
+        "share held out for validation: the last part of a corpus; a fixed draw of an imagefolder without validation/",
+        above=0.0,
+        below=1.0,
+    )
     num_samples: int = opt(64, "random data: number of samples; synthetic data: tokens in the train split", min=1)
     synthetic_padding: bool = opt(
         False, "synthetic data: each sample keeps a random number of targets and pads the rest (-100), as padded chat data does"

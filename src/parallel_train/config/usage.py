@@ -110,8 +110,8 @@ ROWS: tuple[Row, ...] = (
     Row("data.target_lang", "model.task=seq2seq", _task("seq2seq")),
     Row(
         "data.tokenizer",
-        "tokenized data (not data.path=random or synthetic; prepared data brings its own)",
-        lambda c: not _text_source(c) or (_tokens(c) and not _prepared(c)),
+        "tokenized data (not data.path=random or synthetic, not model.task=image-classification; prepared data brings its own)",
+        lambda c: not _text_source(c) or (_tokens(c) and not _prepared(c) and c.model.task != "image-classification"),
     ),
     Row("data.num_samples", "data.path=random or synthetic", lambda c: not _text_source(c) or not _tokens(c)),
     Row("data.synthetic_padding", "data.path=synthetic", lambda c: not _text_source(c) or c.data.path == "synthetic"),

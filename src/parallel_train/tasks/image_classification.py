@@ -1,7 +1,8 @@
-"""Image classification (an imagefolder: one folder of images per class)."""
+"""Image classification (an imagefolder: one folder of images per class; tasks/image_folder.py reads it)."""
 
 from __future__ import annotations
 
+from parallel_train.tasks.image_folder import load_images
 from parallel_train.tasks.task import Task
 
 TASK = Task(
@@ -10,5 +11,6 @@ TASK = Task(
     "pixel_values",
     "samples",
     has_labels=True,
+    load=load_images,
     metrics=("loss", "accuracy", "f1"),
 )

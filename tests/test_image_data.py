@@ -1,0 +1,230 @@
+"""Image classification data (model.task=image-classification, tasks/image_folder.py): an imagefolder of tiny PNGs
+through a tiny ViT image processor. Batches, class ids and names, both layouts, the same pixels on every topology
+and after a resume, the classes kept across a resume, and every bad folder as one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from PIL import Image
+
+from helpers import REPO, WarmCmd, launch_env, run, snapshot, train_losses
+from parallel_train.config.load import load_config
+from parallel_train.data.text import train_loader, val_loader
+from parallel_train.errors import UserError
+from parallel_train.models.hf import HFConfig
+from parallel_train.run.resume_config import check_same_files
+from parallel_train.tasks.label_names import LABELS_FILE as FILE
+from parallel_train.tasks.registry import TASKS
+
+COLOURS = {"cat": (255, 0, 0), "dog": (0, 255, 0), "bird": (0, 0, 255)}
+
+
+def make_images(folder, classes=tuple(COLOURS), per_class=4) -> None:
+    """per_class PNGs per class, of uneven sizes (8x8 to 11x8) and shades, so every image is a different one."""
+    for name in classes:
+        (folder / name).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            colour = tuple(max(0, c - 40 * i) for c in COLOURS.get(name, (9, 9, 9)))
+            Image.new("RGB", (8 + i, 8), colour).save(folder / name / f"{i}.png")
+
+
+@pytest.fixture(scope="module")
+def processor(tmp_path_factory):
+    """A model folder holding a tiny ViT's config.json and its image processor (16 x 16, mean and std 0.5)."""
+    from transformers import ViTConfig, ViTImageProcessor
+
+    folder = tmp_path_factory.mktemp("vit")
+    ViTConfig(
+        image_size=16, patch_size=8, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
+    ).save_pretrained(folder)
+    ViTImageProcessor(size=16).save_pretrained(folder)
+    return folder
+
+
+def config(folder, processor, *more: str):
+    cfg, _ = load_config(["model.name=hf", f"model.hf_path={processor}", f"data.path={folder}", "train.batch_size=2", *more])
+    cfg.model.task = "image-classification"  # set here: model.name=hf is built for causal-lm only until it serves this task
+    return cfg
+
+
+def load(folder, processor, *more: str):
+    return TASKS["image-classification"].load(config(folder, processor, *more), None)
+
+
+def test_batches_are_pixel_values_and_class_ids_named_by_sorted_folders(tmp_path, processor):
+    make_images(tmp_path / "pets")
+    data = load(tmp_path / "pets", processor, "data.val_fraction=0.25")
+    assert data.label_names == ["bird", "cat", "dog"]  # datasets' ClassLabel: the folder names sorted
+    assert json.loads(data.files[FILE]) == data.label_names and data.vocab is None and data.vocab_size == 3
+    assert (len(data.train_set), len(data.val_set)) == (9, 3)
+    batch = data.train_set.__getitems__(list(range(len(data.train_set))))
+    assert set(batch) == {"pixel_values", "labels"}
+    assert batch["pixel_values"].shape == (9, 3, 16, 16) and batch["pixel_values"].dtype == torch.float32  # one size for 8..11 px
+    assert batch["labels"].dtype == torch.int64
+    for i, file in enumerate(data.train_set.files):
+        assert data.label_names[batch["labels"][i]] == file.parent.name
+        # A red cat (255, 0, 0) is (1, -1, -1) after the processor's rescale and normalisation; each image alone as in a batch.
+        colour = torch.tensor(Image.open(file).getpixel((0, 0)), dtype=torch.float32) / 127.5 - 1
+        assert torch.allclose(batch["pixel_values"][i, :, 0, 0], colour, atol=1e-5)
+        assert torch.equal(data.train_set[i]["pixel_values"], batch["pixel_values"][i])
+
+
+def test_validation_folder_and_a_fixed_validation_share(tmp_path, processor):
+    make_images(tmp_path / "split" / "train")
+    make_images(tmp_path / "split" / "validation", classes=("cat", "dog"), per_class=2)
+    make_images(tmp_path / "split" / "test", classes=("fish",), per_class=1)  # not read: test/ is left out
+    (tmp_path / "split" / "README.md").write_text("a dataset card\n")
+    data = load(tmp_path / "split", processor)
+    assert data.label_names == ["bird", "cat", "dog"] and (len(data.train_set), len(data.val_set)) == (12, 4)
+    assert "from validation/" in data.description
+    # Without validation/: data.val_fraction of the images, the same draw on every load and whatever train.seed.
+    make_images(tmp_path / "flat")
+    draws = [load(tmp_path / "flat", processor, f"train.seed={seed}").val_set.files for seed in (1, 1, 2)]
+    assert draws[0] == draws[1] == draws[2] and len(draws[0]) == 1  # 10% of 12
+
+
+def test_every_topology_and_a_resume_see_the_same_pixels(tmp_path, processor):
+    """Rank 0 and rank 1 of two processes read what one process reads, and a loader resumed at step 1 reads what the
+    uninterrupted one read second: the images are read and processed per sample, with no random augmentation."""
+    make_images(tmp_path / "pets")
+    cfg = config(tmp_path / "pets", processor)
+    data = TASKS["image-classification"].load(cfg, None)
+    one = iter(train_loader(data, cfg, 1, 0, 0, False))
+    first, second = next(one), next(one)
+    halves = [next(iter(train_loader(data, cfg, 2, rank, 0, False))) for rank in (0, 1)]
+    for key in first:
+        assert torch.equal(torch.cat([h[key] for h in halves]), torch.cat([first[key], second[key]]))
+    resumed = next(iter(train_loader(data, cfg, 1, 0, 1, False)))
+    assert all(torch.equal(resumed[k], second[k]) for k in second)
+    assert torch.equal(next(iter(val_loader(data, cfg, 1)))["pixel_values"], next(iter(val_loader(data, cfg, 1)))["pixel_values"])
+
+
+def test_a_resume_on_other_classes_is_refused(tmp_path, processor):
+    make_images(tmp_path / "pets")
+    data = load(tmp_path / "pets", processor)
+    checkpoint = tmp_path / "step_0000002"
+    checkpoint.mkdir()
+    (checkpoint / FILE).write_text(data.files[FILE])
+    check_same_files(checkpoint, data.files)  # the same classes: nothing to say
+    make_images(tmp_path / "pets", classes=("fish",))
+    with pytest.raises(UserError, match=r"trained on 3 classes .* this data has 4 \(new: fish\); resume with the data"):
+        check_same_files(checkpoint, load(tmp_path / "pets", processor).files)
+
+
+@pytest.mark.multiprocess
+def test_the_cv_example_recipe_trains_alike_on_one_and_two_processes_and_keeps_its_classes(tmp_path, processor):
+    """configs/cv_example.yaml, tiny, with a tiny classifier of the user's (tests/image_train.py: model.name=hf serves
+    images once it is merged) through the real Trainer: one process == two (DDP), no tokenizer to save, the class
+    names saved with the run and every checkpoint; a resume on other classes is one line and leaves the run as it was."""
+    make_images(tmp_path / "pets")
+    args = ["--config", "configs/cv_example.yaml", "model.name=tinyvision", f"model.hf_path={processor}", f"data.path={tmp_path / 'pets'}"]
+    args += ["data.num_workers=0", "train.max_steps=2", "train.warmup_steps=1", "train.lr_decay_steps=2", "train.log_interval=1"]
+    args += ["eval.interval=2", "eval.iters=1", "eval.batch_size=4", "checkpoint.interval=2", "tracker=none"]
+    env, one, two = launch_env(tmp_path), tmp_path / "one", tmp_path / "two"
+    runs = [(1, one, "train.batch_size=4"), (2, two, "train.batch_size=2")]
+    for nproc, out, batch in runs:
+        result = run(WarmCmd(nproc, "tests/image_train.py", (*args, batch, f"output_dir={out}")), env=env, timeout=120)
+        assert result.returncode == 0, result.output[-3000:]
+    assert list(train_losses(one)) == [1, 2]
+    assert train_losses(one) == pytest.approx(train_losses(two), abs=1e-5)
+    assert json.loads((one / FILE).read_text()) == ["bird", "cat", "dog"]
+    assert (one / "checkpoints" / "step_0000002" / FILE).is_file() and not (one / "vocab.json").exists()
+    shutil.copytree(tmp_path / "pets", tmp_path / "more")
+    make_images(tmp_path / "more", classes=("fish",))
+    before = snapshot(one)
+    more = (*args, "train.batch_size=4", f"output_dir={one}", f"data.path={tmp_path / 'more'}", "train.max_steps=3")
+    refused = run(WarmCmd(1, "tests/image_train.py", more), env=env, timeout=120)
+    errors = [line for line in refused.output.splitlines() if line.startswith("error:")]
+    assert refused.returncode == 2 and len(errors) == 1 and "(new: fish)" in errors[0], refused.output[-3000:]
+    assert "Traceback" not in refused.output and snapshot(one) == before
+
+
+def test_an_image_that_fails_to_decode_in_a_loader_worker_is_one_line(tmp_path, processor):
+    """A truncated PNG passes the start's header check and fails when its batch is drawn, in a DataLoader worker
+    (data.num_workers=1): torch raises it again in the training process, and the error is still one line."""
+    make_images(tmp_path / "pets")
+    Image.new("RGB", (64, 64), (1, 2, 3)).save(tmp_path / "big.png")
+    big = (tmp_path / "big.png").read_bytes()
+    (tmp_path / "pets" / "cat" / "0.png").write_bytes(big[: len(big) // 2])
+    cfg = config(tmp_path / "pets", processor, "data.num_workers=1")
+    data = TASKS["image-classification"].load(cfg, None)
+    batches = iter(train_loader(data, cfg, 1, 0, 0, False))
+    with pytest.raises(UserError) as e:
+        for _ in range(len(data.train_set)):  # every sample at least once
+            next(batches)
+    broken = tmp_path / "pets" / "cat" / "0.png"
+    assert str(e.value) == f"data.path: {broken} is not an image Pillow can read (image file is truncated); remove or replace it"
+
+
+@pytest.mark.skipif(
+    "image-classification" not in HFConfig.tasks, reason="model.name=hf is built for causal LMs only until it serves images"
+)
+def test_the_cv_example_config_loads_as_written(processor):
+    """configs/cv_example.yaml with model.name=hf (docs/guide.md 5a), the model folder made here."""
+    cfg, _ = load_config(["--config", str(REPO / "configs" / "cv_example.yaml"), f"model.hf_path={processor}"])
+    assert (cfg.model.name, cfg.model.task, cfg.data.val_fraction, cfg.train.batch_size) == ("hf", "image-classification", 0.2, 64)
+
+
+def folder_with(tmp_path, what: str):
+    """A folder with one thing wrong (the ids of BAD_FOLDERS)."""
+    root = tmp_path / what
+    if what == "no_class_folders":
+        root.mkdir()
+        Image.new("RGB", (8, 8)).save(root / "a.png")
+    elif what == "one_class":
+        make_images(root, classes=("cat",))
+    elif what == "empty_class":
+        make_images(root)
+        (root / "fish").mkdir()
+    elif what == "not_an_image":
+        make_images(root)
+        (root / "cat" / "notes.txt").write_text("cats are nice\n")
+    elif what == "broken_png":
+        make_images(root)
+        (root / "dog" / "9.png").write_bytes(b"not a png at all")
+    elif what == "validation_class_not_trained":
+        make_images(root / "train")
+        make_images(root / "validation", classes=("fish",), per_class=1)
+    elif what == "no_train_folder":
+        make_images(root / "validation")
+    elif what == "empty":
+        root.mkdir()
+    elif what == "a_file":
+        root.write_text("not a folder\n")
+    return root
+
+
+BAD_FOLDERS = [
+    ("no_class_folders", "no_class_folders/a.png is not in a class folder; an imagefolder holds CLASS/IMAGE files"),
+    ("one_class", "has one class folder (cat); a classifier needs two or more"),
+    ("empty_class", "the class folder {root}/fish holds no image; add images to it or remove it"),
+    ("not_an_image", "not_an_image/cat/notes.txt is not an image (.png, .jpg, .jpeg, .webp, .bmp, ...); move it out"),
+    ("broken_png", "broken_png/dog/9.png is not an image Pillow can read (not a format it knows); remove or replace it"),
+    ("validation_class_not_trained", "the class 'fish' has validation images but no train/fish/ folder"),
+    ("no_train_folder", "has validation folders but no train/"),
+    ("empty", "holds no files; an imagefolder holds"),
+    ("a_file", "is not a folder; model.task=image-classification reads an imagefolder"),
+]
+
+
+@pytest.mark.parametrize("what, expected", BAD_FOLDERS, ids=[b[0] for b in BAD_FOLDERS])
+def test_a_bad_folder_is_one_line(tmp_path, processor, what, expected):
+    root = folder_with(tmp_path, what)
+    with pytest.raises(UserError) as e:
+        load(root, processor)
+    assert expected.format(root=root) in str(e.value) and "\n" not in str(e.value), e.value
+
+
+def test_a_model_folder_without_an_image_processor_is_one_line(tmp_path, processor):
+    make_images(tmp_path / "pets")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(processor / "config.json", bare)
+    with pytest.raises(UserError, match=r"has no preprocessor_config.json \(the image processor that makes the model's pixel_values\)"):
+        load(tmp_path / "pets", bare)
+    with pytest.raises(UserError, match=r"data.val_fraction=0.05 of 12 images leaves 0 for validation"):
+        load(tmp_path / "pets", processor, "data.val_fraction=0.05")
