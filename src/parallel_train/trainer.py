@@ -53,7 +53,7 @@ from parallel_train.run.resume import choose_checkpoint
 from parallel_train.run.resume_config import SCHEDULE, apply_schedule, change_notice, check_same_files, config_changes
 from parallel_train.step import Stepper, StepResult
 from parallel_train.tasks.registry import task_of
-from parallel_train.tasks.task import Aligned
+from parallel_train.tasks.task import Aligned, label_files
 
 
 def say(message: str) -> None:
@@ -146,7 +146,10 @@ class Trainer:
         if self.data.description:
             say(f"[parallel_train] data: {self.data.description}")
         # On the meta device when the model can start there: no rank builds the whole model (parallel/model_init.py).
-        model, init = start_model(MODELS[cfg.model.name], cfg.model, self.data.vocab_size, cfg.train.seed)
+        self.labels = self.data.label_names if self.task.has_labels else None  # the head's size and the export's id2label
+        model, init = start_model(MODELS[cfg.model.name], cfg.model, self.data.vocab_size, cfg.train.seed, self.labels)
+        if getattr(model, "notice", None):  # e.g. a new head on a pretrained body (models/hf.py)
+            say(model.notice)
         params = list(model.parameters())  # on the meta device when it starts there: shapes only; a tied weight once
         self.params = {
             "trainable_params": sum(p.numel() for p in params if p.requires_grad),
@@ -211,7 +214,7 @@ class Trainer:
         cfg, accelerator = self.cfg, self.accelerator
         self.config_yaml = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
         # The tokenizer and what goes with it (a chat template: Data.files), in output_dir and every checkpoint.
-        self.tokenizer_files = {**(self.data.vocab.files() if self.data.vocab else {}), **self.data.files}
+        self.tokenizer_files = {**(self.data.vocab.files() if self.data.vocab else {}), **self.data.files, **label_files(self.labels)}
         self.metrics = MetricsLog(self.out / "metrics.jsonl", accelerator, cfg.tracker)
         self.metrics.truncate_after(self.start_step, say)  # first: a metrics.jsonl it cannot read stops the run before any write
         if accelerator.is_main_process:
@@ -219,7 +222,7 @@ class Trainer:
             try:
                 if self.data.vocab is not None:
                     self.data.vocab.save(self.out)  # vocab.json or tokenizer.json, each written whole
-                for name, text in self.data.files.items():  # a chat template (data.format=chat)
+                for name, text in {**self.data.files, **label_files(self.labels)}.items():  # a chat template, class names
                     write_atomic(self.out / name, text)
             except OSError as e:
                 raise write_error(
@@ -396,7 +399,14 @@ class Trainer:
             weights = load_weights(out)  # written whole beside the old hf/ (and adapter/), then in their place
             written = write_folders(
                 out / "hf",
-                lambda folder: own_format(cfg.model, weights, folder, self.data.vocab, chat_files=self.data.files),
+                lambda folder: own_format(
+                    cfg.model,
+                    weights,
+                    folder,
+                    self.data.vocab,
+                    chat_files=self.data.files,
+                    **({"label_names": self.labels} if self.labels else {}),
+                ),
                 hint="free space (or fix the disk), then relaunch: the run writes hf/ again from its last checkpoint",
             )
             say(f"[parallel_train] {written}")

@@ -23,8 +23,10 @@ tuples whose targets are shifted already.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,6 +43,16 @@ TASK_NAMES = (
     "image-classification",
 )
 DEFAULT = "causal-lm"
+# The transformers Auto class of each task, for the models (floor 1, below tasks/registry.py): each task module's
+# `auto_class`, which tests/test_structure.py checks against this table.
+AUTO_CLASSES = {
+    "causal-lm": "AutoModelForCausalLM",
+    "sequence-classification": "AutoModelForSequenceClassification",
+    "token-classification": "AutoModelForTokenClassification",
+    "masked-lm": "AutoModelForMaskedLM",
+    "seq2seq": "AutoModelForSeq2SeqLM",
+    "image-classification": "AutoModelForImageClassification",
+}
 
 
 @dataclass(frozen=True)
@@ -61,6 +73,22 @@ class Task:
     # (logits, labels) -> the summed loss of the labels that count (step.py divides by their number over the step).
     loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = loss_sum
     metrics: tuple[str, ...] = ("loss", "accuracy")  # what validation reports (val_<name>), "loss" first
+
+
+# A run's class names (Data.label_names), saved beside its tokenizer in output_dir and every checkpoint, so that an
+# export of any checkpoint (scripts/export.py) writes the run's id2label.
+LABELS_FILE = "label_names.json"
+
+
+def label_files(label_names: list[str] | None) -> dict[str, str]:
+    """{LABELS_FILE: its text} for a run with class names, else {}."""
+    return {LABELS_FILE: json.dumps(label_names)} if label_names else {}
+
+
+def saved_label_names(folder: Path) -> list[str] | None:
+    """The class names saved with a run or a checkpoint (label_files), or None."""
+    path = Path(folder) / LABELS_FILE
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
 def align(task: Task, batch):
