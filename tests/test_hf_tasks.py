@@ -14,6 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 import hf_tiny
+from helpers import WarmCmd, check, launch_env, run, summary, train_losses, warm_script
+from parallel_train.checkpoint.export import load_weights
 from parallel_train.errors import UserError
 from parallel_train.models.hf import HFConfig, HFModel
 from parallel_train.parallel.model_init import start_model
@@ -75,6 +77,8 @@ def test_each_task_equals_transformers_own_model_on_a_padded_batch(folders, task
     model = started(folders[folder], task, labels)
     assert type(model.hf).__name__ == type(getattr(transformers, auto).from_config(model.hf.config)).__name__
     own = getattr(transformers, auto).from_pretrained(folders[folder], **({"num_labels": 3} if labels else {})).eval()
+    # Only a head the folder lacks is new: every other weight is read from the files, under transformers' new names.
+    assert all(name.startswith(("classifier.", "bert.pooler.")) for name in model.new_weights), model.new_weights
     state = own.state_dict()
     for name in model.new_weights:  # a new head: the run's own draw (transformers would draw another)
         state[name] = model.state_dict()[name]
@@ -116,3 +120,107 @@ def test_refusals_are_one_line(folders):
         model.tensor_parallel_plan(2)
     vit = HFModel(HFConfig(name="hf", hf_path=str(folders["vit"]), task="image-classification"), 0)
     assert vit.flops_per_token() > 0 and HFConfig(task="image-classification").inputs == "pixel values"
+
+
+# ---------------------------------------------------------------- real launches (tests/task_data.py's dict batches)
+
+# 3 steps of 4 samples; SGD, as tests/test_mesh.py compares layouts (Adam would blow float noise up into full steps).
+RUN = (
+    "data.source=task_batches",
+    "model.name=hf",
+    f"model.block_size={T}",
+    "train.batch_size=4",
+    "train.max_steps=3",
+    "train.warmup_steps=1",
+    "train.optimizer=sgd",
+    "train.learning_rate=0.5",
+    "train.log_interval=1",
+    "eval.interval=3",
+    "eval.iters=2",
+    "eval.batch_size=4",
+    "checkpoint.interval=3",
+    "tracker=none",
+)
+LAYOUTS = {"one": (1, ()), "ddp": (2, ("train.batch_size=2",)), "fsdp2": (2, ("train.batch_size=2", "parallel.dp_shard=2"))}
+
+
+def launch(nproc: int, *args: str, env=None):
+    return run(WarmCmd(nproc, "tests/task_data.py", args), env=env, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def classifier_runs(folders, tmp_path_factory):
+    """A sequence classifier fine-tuned from the masked-LM BERT (a new head), as each of LAYOUTS: {name: (out, log)}."""
+    tmp = tmp_path_factory.mktemp("hf_task_runs")
+    task = ("model.task=sequence-classification", f"model.hf_path={folders['bert']}")
+    return {
+        name: (tmp / name, check(launch(n, *RUN, *task, *extra, f"output_dir={tmp / name}", env=launch_env(tmp))).output)
+        for name, (n, extra) in LAYOUTS.items()
+    }
+
+
+@pytest.mark.multiprocess
+def test_sequence_classification_is_the_same_on_one_process_ddp_and_fsdp2(classifier_runs):
+    (ref, log), *others = classifier_runs.values()
+    assert log.count("notice: model.hf_path") == 1 and "classifier.weight, classifier.bias (a new model.task=sequence-classification" in log
+    want = train_losses(ref)
+    assert len(want) == 3 and want[3] < want[1]  # the new head learns
+    assert "device mesh (FSDP2" in classifier_runs["fsdp2"][1] and "mesh dp_replicate 2" in classifier_runs["ddp"][1]
+    for out, _ in others:
+        got = train_losses(out)
+        assert got.keys() == want.keys() and all(got[s] == pytest.approx(want[s], abs=1e-5) for s in want), (out.name, got, want)
+        assert summary(out)["final_val_loss"] == pytest.approx(summary(ref)["final_val_loss"], abs=1e-5)
+
+
+@pytest.mark.multiprocess
+def test_the_classifier_export_reloads_with_its_class_names_and_the_runs_logits(folders, classifier_runs, tmp_path):
+    """output_dir/hf loads with AutoModelForSequenceClassification, id2label the run's class names, and gives the logits of
+    the model the run saved; scripts/export.py writes the same from the FSDP2 run's sharded checkpoint."""
+    out = classifier_runs["ddp"][0]
+    model = HFModel(HFConfig(name="hf", hf_path=str(folders["bert"]), block_size=T, task="sequence-classification"), 300, hf_tiny.LABELS)
+    model.load_state_dict(load_weights(out))
+    step3 = classifier_runs["fsdp2"][0] / "checkpoints" / "step_0000003"
+    check(run(warm_script("scripts/export.py", str(step3), str(tmp_path / "hf"), "--format", "hf"), env=launch_env(tmp_path)))
+    for folder in (out / "hf", tmp_path / "hf"):
+        exported = transformers.AutoModelForSequenceClassification.from_pretrained(folder).eval()
+        assert exported.config.id2label == dict(enumerate(hf_tiny.LABELS)) and exported.config.label2id == {
+            n: i for i, n in enumerate(hf_tiny.LABELS)
+        }
+        torch.testing.assert_close(
+            exported(**batch("sequence-classification")).logits, call(model.eval(), batch("sequence-classification")), rtol=1e-5, atol=1e-5
+        )
+        assert (
+            transformers.AutoTokenizer.from_pretrained(folder)("ROMEO").input_ids
+            == transformers.AutoTokenizer.from_pretrained(folders["bert"])("ROMEO").input_ids
+        )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("task", ["masked-lm", "seq2seq", "image-classification"])
+def test_each_other_task_trains_and_exports_for_its_auto_class(folders, task, tmp_path):
+    folder, auto = TASKS[task]
+    args = (*RUN, "train.max_steps=2", "eval.interval=2", "checkpoint.interval=2", f"model.task={task}", f"model.hf_path={folders[folder]}")
+    check(launch(1, *args, f"output_dir={tmp_path / 'run'}", env=launch_env(tmp_path)))
+    assert len(train_losses(tmp_path / "run")) == 2
+    exported = getattr(transformers, auto).from_pretrained(tmp_path / "run" / "hf").eval()
+    model = started(folders[folder], task, hf_tiny.LABELS if task in CLASSIFIERS else None)
+    model.load_state_dict(load_weights(tmp_path / "run"))
+    torch.testing.assert_close(exported(**batch(task)).logits, call(model, batch(task)), rtol=1e-5, atol=1e-5)
+    if task == "image-classification":  # its image processor, and the class names
+        assert transformers.AutoImageProcessor.from_pretrained(tmp_path / "run" / "hf").size == {"height": 16, "width": 16}
+        assert exported.config.id2label == dict(enumerate(hf_tiny.LABELS))
+
+
+@pytest.mark.multiprocess
+def test_a_task_the_architecture_has_no_class_for_is_one_line_exit_2(folders, tmp_path):
+    result = launch(
+        1,
+        *RUN,
+        "model.task=image-classification",
+        f"model.hf_path={folders['bert']}",
+        f"output_dir={tmp_path / 'run'}",
+        env=launch_env(tmp_path),
+    )
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and "Traceback" not in result.output, result.output[-2000:]
+    assert len(errors) == 1 and "is a bert model, for which transformers has no AutoModelForImageClassification class" in errors[0]
