@@ -44,7 +44,14 @@ def build_empty(cfg: Any, dtype: str, label_names: list[str] | None = None) -> A
 
 def load_weights(model: Any, state: dict[str, torch.Tensor], source: str) -> None:
     """Assign the trained tensors to the empty model; the tied alias (lm_head.weight) follows its weight."""
-    result = model.load_state_dict(state, strict=False, assign=True)
+    try:
+        result = model.load_state_dict(state, strict=False, assign=True)
+    except RuntimeError as e:  # a size mismatch: a classifier's head without the run's class names (label_names.json)
+        mismatch = next((line.strip() for line in str(e).splitlines() if "size mismatch" in line), str(e).splitlines()[0])
+        raise UserError(
+            f"{source} does not fit the model of model.hf_path ({mismatch[:200]}); export from the run that trained it, "
+            "with its label_names.json beside the checkpoint for a classifier"
+        ) from None
     model.tie_weights()
     missing = [k for k, v in model.state_dict().items() if v.is_meta]
     if missing or result.unexpected_keys:
