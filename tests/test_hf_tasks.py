@@ -107,6 +107,16 @@ def test_a_pretrained_body_gets_a_new_head_with_a_notice(folders):
     assert torch.equal(same.hf.classifier.weight, load_file(str(folders["bert-classifier"] / "model.safetensors"))["classifier.weight"])
 
 
+def test_a_causal_lm_given_an_attention_mask_runs_its_own_forward(tmp_path):
+    """A causal LM's dict batch with padding: the mask reaches transformers' own forward (the pipeline layouts pass only
+    the ids)."""
+    model = HFModel(HFConfig(name="hf", hf_path=str(hf_tiny.save_model(hf_tiny.llama_config(), tmp_path / "llama")), block_size=T), 256)
+    inputs = batch("causal-lm")
+    assert model.layout is not None
+    torch.testing.assert_close(call(model.eval(), inputs), model.hf(**inputs).logits, rtol=0, atol=0)
+    assert not torch.allclose(call(model, inputs)[1], model(inputs["input_ids"])[1])  # the padded sample: the mask counts
+
+
 def test_refusals_are_one_line(folders):
     with pytest.raises(
         UserError,
@@ -118,6 +128,8 @@ def test_refusals_are_one_line(folders):
         model.pipeline_units()
     with pytest.raises(UserError, match=r"parallel.tp=2: .*\(bert\) has no tensor-parallel plan in transformers"):
         model.tensor_parallel_plan(2)
+    with pytest.raises(UserError, match=r"model.lora_rank: the new model.task=sequence-classification head \(bert.pooler.dense.weight"):
+        HFModel(HFConfig(name="hf", hf_path=str(folders["bert"]), task="sequence-classification", lora_rank=4), hf_tiny.VOCAB)
     vit = HFModel(HFConfig(name="hf", hf_path=str(folders["vit"]), task="image-classification"), 0)
     assert vit.flops_per_token() > 0 and HFConfig(task="image-classification").inputs == "pixel values"
 

@@ -140,6 +140,11 @@ class HFModel(nn.Module):
         self.register_load_state_dict_post_hook(_base_not_missing)
         self.train()
         self.new_weights, self.notice = self._new_head() if self.pretrained else ([], None)
+        if cfg.lora_rank and self.new_weights:  # LoRA freezes every weight but its adapters, and checkpoints hold only those
+            raise UserError(
+                f"model.lora_rank: the new model.task={self.task} head ({', '.join(self.new_weights[:2])}) would stay frozen at its "
+                "random start and not be saved; train every weight (model.lora_rank=0), or start from a folder that holds the head"
+            )
         if self.pretrained and not next(self.parameters()).is_meta:  # built whole (tests, scripts): load its weights now
             self._load_pretrained()
         if cfg.lora_rank:  # after the pretrained weights: peft wraps the loaded Linear layers as they are
