@@ -117,6 +117,17 @@ def test_a_causal_lm_given_an_attention_mask_runs_its_own_forward(tmp_path):
     assert not torch.allclose(call(model, inputs)[1], model(inputs["input_ids"])[1])  # the padded sample: the mask counts
 
 
+def test_fsdp_units_leave_a_tied_embedding_with_the_root(folders):
+    """FSDP2 shards a weight in one group: a masked-LM BERT's embeddings (tied to its decoder) stay with the root, a
+    classifier's are a unit of their own; T5's shared embedding is at the root already."""
+    kinds = {
+        task: [type(m).__name__ for m in started(folders[TASKS[task][0]], task).decoder_layers()]
+        for task in ("masked-lm", "sequence-classification", "seq2seq")
+    }
+    assert kinds["masked-lm"] == ["BertLayer"] * 2 and kinds["sequence-classification"] == ["BertEmbeddings", *["BertLayer"] * 2]
+    assert kinds["seq2seq"] == ["T5Block"] * 4
+
+
 def test_refusals_are_one_line(folders):
     with pytest.raises(
         UserError,

@@ -255,8 +255,16 @@ class HFModel(nn.Module):
             self.hf.tie_weights()
 
     def decoder_layers(self) -> list[nn.Module]:
-        """The modules FSDP shards one by one: every instance of the classes in `_no_split_modules`."""
-        return [m for m in self.modules() if type(m).__name__ in self._no_split_modules]
+        """The modules FSDP shards one by one: every instance of the classes in `_no_split_modules`, but one holding a
+        tied weight (a BERT's embeddings, whose word embedding is its masked-LM decoder's weight), which stays with the
+        root: FSDP2 shards a weight in one group only."""
+        tied = set(self.tied) | set(self.tied.values())
+        return [
+            m
+            for name, m in self.named_modules()
+            if type(m).__name__ in self._no_split_modules
+            and not any(f"{name}.{p}" in tied for p, _ in m.named_parameters(remove_duplicate=False))
+        ]
 
     def tensor_parallel_plan(self, tp: int) -> dict[str, Any]:
         """How `parallel.tp` ranks cut this model, for `parallelize_module`: transformers' own plan for it, in torch
