@@ -113,7 +113,8 @@ class HFModel(nn.Module):
         hf = hf_loading.build_model(config, cfg.task, cfg.hf_path, cfg.dtype, cfg.attn_implementation)
         # Weights whose first values are another's in the files: stored under an older name (hf_loading.file_keys), an
         # untied lm_head that starts as the embedding, a LoRA-wrapped layer's base weight.
-        files = hf_loading.weight_files(cfg.hf_path) if cfg.hf_pretrained else []
+        files = hf_loading.weight_files(cfg.hf_path) if cfg.hf_pretrained else []  # found once (a Hub name: fetched once)
+        self.__dict__["weight_files"] = files
         self.__dict__["weight_aliases"] = hf_loading.file_keys(hf, files) if files else {}
         if cfg.untie_embeddings and find_ties(hf):
             self._alias(find_ties(hf))
@@ -172,7 +173,7 @@ class HFModel(nn.Module):
     def pretrained_files(self) -> list[Path] | None:
         """The safetensors files the first weights come from (parallel/model_init.py reads each rank's slices), or None for
         random weights (hf_pretrained=false)."""
-        return hf_loading.weight_files(self.hf_path) if self.pretrained else None
+        return self.weight_files if self.pretrained else None
 
     def init_weights(self, name: str, module: nn.Module) -> None:
         """transformers' own initialisation of one module, as from_config gives it (its own rule and its parents',
