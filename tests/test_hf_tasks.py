@@ -88,10 +88,10 @@ def test_each_task_equals_transformers_own_model_on_a_padded_batch(folders, task
         assert model.hf.config.id2label == dict(enumerate(labels)) and model.hf.config.label2id["neutral"] == 2
 
 
-def test_a_pretrained_body_gets_a_new_head_with_a_notice(folders):
+def test_a_pretrained_body_gets_a_new_head_with_a_notice(folders, tmp_path):
     """A masked-LM BERT fine-tuned as a classifier: its body is the folder's, the classifier (and the pooler the MLM
     lacks) start from transformers' initialisation; its MLM head is ignored. A classifier of 3 labels given 2: a new
-    head of 2."""
+    head of 2. A bare BertModel's weights (saved without the classifier's `bert.` prefix) are its body."""
     model = started(folders["bert"], "sequence-classification", ["no", "yes"])
     assert model.new_weights == ["bert.pooler.dense.weight", "bert.pooler.dense.bias", "classifier.weight", "classifier.bias"]
     assert "classifier.weight" in model.notice and model.notice.startswith("notice:") and "\n" not in model.notice
@@ -102,6 +102,10 @@ def test_a_pretrained_body_gets_a_new_head_with_a_notice(folders):
     assert 0.01 < std < 0.03 and torch.count_nonzero(model.hf.classifier.bias) == 0
     resized = started(folders["bert-classifier"], "sequence-classification", ["no", "yes"])
     assert resized.new_weights == ["classifier.weight", "classifier.bias"] and resized.hf.classifier.weight.shape == (2, 32)
+    body = hf_tiny.save_task_model(hf_tiny.bert_config(), "AutoModel", tmp_path / "bert_model")  # a BertModel: no "bert." prefix
+    from_body = started(body, "sequence-classification", ["no", "yes"])
+    assert from_body.new_weights == ["classifier.weight", "classifier.bias"]
+    assert torch.equal(from_body.hf.bert.pooler.dense.weight, load_file(str(body / "model.safetensors"))["pooler.dense.weight"])
     same = started(folders["bert-classifier"], "sequence-classification", hf_tiny.LABELS)
     assert same.new_weights == [] and same.notice is None
     assert torch.equal(same.hf.classifier.weight, load_file(str(folders["bert-classifier"] / "model.safetensors"))["classifier.weight"])
