@@ -132,7 +132,7 @@ def test_fsdp_units_leave_a_tied_embedding_with_the_root(folders):
     assert kinds["seq2seq"] == ["T5Block"] * 4
 
 
-def test_refusals_are_one_line(folders):
+def test_refusals_are_one_line(folders, tmp_path):
     with pytest.raises(
         UserError,
         match=r"model.task=image-classification: .* is a bert model, for which transformers has no AutoModelForImageClassification",
@@ -145,6 +145,10 @@ def test_refusals_are_one_line(folders):
         model.tensor_parallel_plan(2)
     with pytest.raises(UserError, match=r"model.lora_rank: the new model.task=sequence-classification head \(bert.pooler.dense.weight"):
         HFModel(HFConfig(name="hf", hf_path=str(folders["bert"]), task="sequence-classification", lora_rank=4), hf_tiny.VOCAB)
+    llama = hf_tiny.save_model(hf_tiny.llama_config(), tmp_path / "llama")  # a plan, but a causal LM's
+    classifier = HFModel(HFConfig(name="hf", hf_path=str(llama), task="sequence-classification"), 256, ["a", "b"])
+    with pytest.raises(UserError, match="parallel.tp=2: model.task=sequence-classification: tensor parallelism cuts causal"):
+        classifier.tensor_parallel_plan(2)
     vit = HFModel(HFConfig(name="hf", hf_path=str(folders["vit"]), task="image-classification"), 0)
     assert vit.flops_per_token() > 0 and HFConfig(task="image-classification").inputs == "pixel values"
 

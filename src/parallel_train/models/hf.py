@@ -281,6 +281,11 @@ class HFModel(nn.Module):
                 f"parallel.tp={tp}: {what} ties lm_head to its input embedding, which tensor parallelism cuts two ways; "
                 "set model.untie_embeddings=true (lm_head gets its own copy)"
             )
+        if self.task != DEFAULT and self.tp_plan:  # the sequence-parallel regions here are a causal LM's (hf_tensor_parallel.py)
+            raise UserError(
+                f"parallel.tp={tp}: model.task={self.task}: tensor parallelism cuts causal language models only here; "
+                "shard it with FSDP (parallel.dp_shard) instead"
+            )
         return hf_tensor_parallel.tensor_parallel_plan(self, self.tp_plan, self.hf.config, tp, what)
 
     def pipeline_units(self) -> dict[str, nn.Module]:
