@@ -102,13 +102,17 @@ def hf_writer(folder: Path, out: Path, dtype: str | None) -> tuple[list[Path], C
         from parallel_train.checkpoint.export import load_weights
         from parallel_train.data.chat_format import FILES as CHAT_FILES
         from parallel_train.data.tokenizers import load_saved
-        from parallel_train.models.hf import HFCausalLM
+        from parallel_train.models.hf import HFModel
+        from parallel_train.tasks.label_names import saved_label_names
 
         # The chat template the run trained with (data.format=chat|instruction), saved beside its tokenizer.
         chat_files = {name: (folder / name).read_text(encoding="utf-8") for name in CHAT_FILES if (folder / name).is_file()}
         # save_pretrained needs the whole model in memory, as the run's own export does; no optimizer state is read.
         state = load_weights(folder)
-        return HFCausalLM.export(cfg.model, state, into, load_saved(folder), source=str(folder), dtype=dtype, chat_files=chat_files)
+        labels = saved_label_names(folder)  # a classifier's class names: the export's id2label
+        return HFModel.export(
+            cfg.model, state, into, load_saved(folder), source=str(folder), dtype=dtype, chat_files=chat_files, label_names=labels
+        )
 
     return [out, adapter_folder(out)] if cfg.model.lora_rank else [out], write
 

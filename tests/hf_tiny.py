@@ -17,8 +17,9 @@ VOCAB = 300
 EOS = "<|endoftext|>"
 
 
-def train_tokenizer(vocab_size: int = VOCAB):
-    """A byte-level BPE of `vocab_size` ids trained on Tiny Shakespeare, as a PreTrainedTokenizerFast."""
+def train_tokenizer(vocab_size: int = VOCAB, chars: int | None = None):
+    """A byte-level BPE of `vocab_size` ids trained on Tiny Shakespeare (its first `chars` characters: all of it by
+    default), as a PreTrainedTokenizerFast."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -28,7 +29,7 @@ def train_tokenizer(vocab_size: int = VOCAB):
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
     )
-    text = (REPO / "data" / "tinyshakespeare.txt").read_text()
+    text = (REPO / "data" / "tinyshakespeare.txt").read_text()[:chars]
     core.train_from_iterator([text[i : i + 10_000] for i in range(0, len(text), 10_000)], trainer)
     return PreTrainedTokenizerFast(tokenizer_object=core, eos_token=EOS, bos_token=EOS)
 
@@ -162,3 +163,68 @@ def bert_tokenizer(texts: list[str] | None = None, vocab_size: int = 120):
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
     )
     return core
+
+
+# ---------------------------------------------------------------- the other tasks: a BERT, a T5, a ViT
+
+LABELS = ["negative", "positive", "neutral"]  # the classifiers' class names (id2label)
+
+
+def bert_config(**overrides):
+    """An encoder (sequence and token classification, masked LM); dropout off so that layouts compare exactly."""
+    from transformers import BertConfig
+
+    settings = dict(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, max_position_embeddings=64,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout=0.0, pad_token_id=0,
+    )  # fmt: skip
+    return BertConfig(**{**settings, **overrides})
+
+
+def t5_config(**overrides):
+    """An encoder-decoder (seq2seq): its embedding is shared by encoder, decoder and lm_head."""
+    from transformers import T5Config
+
+    settings = dict(
+        vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2, dropout_rate=0.0, decoder_start_token_id=0,
+        pad_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return T5Config(**{**settings, **overrides})
+
+
+def vit_config(**overrides):
+    """A vision transformer (image classification) on 16 x 16 images in 8 x 8 patches."""
+    from transformers import ViTConfig
+
+    settings = dict(
+        image_size=16, patch_size=8, num_channels=3, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return ViTConfig(**{**settings, **overrides})
+
+
+def save_task_model(config, auto_class: str, folder: Path, tokenizer=None, seed: int = 0) -> Path:
+    """A randomly initialised `auto_class` model of `config` saved as a model folder (a ViT's with its image processor)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    getattr(transformers, auto_class).from_config(config).save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    if config.model_type == "vit":
+        transformers.ViTImageProcessor(size={"height": 16, "width": 16}).save_pretrained(folder)
+    return folder
+
+
+def make_task_models(root: Path) -> dict[str, Path]:
+    """{"bert": a BERT with its masked-LM head (a pretrained body: every classifier head is new),
+    "bert-classifier": a BERT classifier of LABELS, "t5": a T5, "vit": a ViT classifier of LABELS}."""
+    tokenizer = train_tokenizer(chars=100_000)  # a tenth of the corpus: ids are all these models need
+    tokenizer.pad_token = EOS
+    labels = dict(num_labels=len(LABELS), id2label=dict(enumerate(LABELS)), label2id={n: i for i, n in enumerate(LABELS)})
+    return {
+        "bert": save_task_model(bert_config(), "AutoModelForMaskedLM", root / "bert", tokenizer),
+        "bert-classifier": save_task_model(bert_config(**labels), "AutoModelForSequenceClassification", root / "bert_cls", tokenizer),
+        "t5": save_task_model(t5_config(), "AutoModelForSeq2SeqLM", root / "t5", tokenizer),
+        "vit": save_task_model(vit_config(**labels), "AutoModelForImageClassification", root / "vit"),
+    }

@@ -163,8 +163,10 @@ def test_at_most_ten_modules_at_the_top_of_the_package():
 
 
 def test_every_task_name_has_its_module_in_the_registry():
-    """model.task's choices (tasks/task.py) and the registry (tasks/registry.py) name the same tasks."""
+    """model.task's choices (tasks/task.py) and the registry (tasks/registry.py) name the same tasks, and the models'
+    table of Auto classes (tasks/task.py AUTO_CLASSES) says what each task module says."""
     from parallel_train.tasks.registry import TASKS
-    from parallel_train.tasks.task import TASK_NAMES
+    from parallel_train.tasks.task import AUTO_CLASSES, TASK_NAMES
 
     assert tuple(TASKS) == TASK_NAMES
+    assert AUTO_CLASSES == {name: task.auto_class for name, task in TASKS.items()}

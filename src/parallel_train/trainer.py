@@ -54,6 +54,7 @@ from parallel_train.run.output_dir import check_output_dir, lock_output_dir
 from parallel_train.run.resume import choose_checkpoint
 from parallel_train.run.resume_config import SCHEDULE, apply_schedule, change_notice, check_same_files, config_changes
 from parallel_train.step import Stepper, StepResult
+from parallel_train.tasks.label_names import names_file
 from parallel_train.tasks.registry import task_of
 from parallel_train.tasks.task import Aligned
 
@@ -145,6 +146,8 @@ class Trainer:
         self.task = task_of(cfg)  # tasks/: what the labels mean, where the data comes from, what validation reports
         saved = load_saved(self.resume_from) if self.resume_from else None
         self.data = self.task.load(cfg, saved) if self.task.load else load_data(cfg, saved)
+        self.labels = self.data.label_names if self.task.has_labels else None  # the head's size and the export's id2label
+        self.data.files = {**self.data.files, **names_file(self.labels)}  # kept with the run, checked on resume
         if self.resume_from is not None:
             check_same_files(self.resume_from, self.data.files)
         if self.data.description:
@@ -154,7 +157,9 @@ class Trainer:
         if notice:
             say(notice)
         # On the meta device when the model can start there: no rank builds the whole model (parallel/model_init.py).
-        model, init = start_model(MODELS[cfg.model.name], cfg.model, self.data.vocab_size, cfg.train.seed)
+        model, init = start_model(MODELS[cfg.model.name], cfg.model, self.data.vocab_size, cfg.train.seed, self.labels)
+        if getattr(model, "notice", None):  # e.g. a new head on a pretrained body (models/hf.py)
+            say(model.notice)
         params = list(model.parameters())  # on the meta device when it starts there: shapes only; a tied weight once
         self.params = {
             "trainable_params": sum(p.numel() for p in params if p.requires_grad),
@@ -229,7 +234,7 @@ class Trainer:
             try:
                 if self.data.vocab is not None:
                     self.data.vocab.save(self.out)  # vocab.json or tokenizer.json, each written whole
-                for name, text in self.data.files.items():  # a chat template (data.format=chat)
+                for name, text in self.data.files.items():  # a chat template, class names
                     write_atomic(self.out / name, text)
             except OSError as e:
                 raise write_error(
@@ -406,7 +411,14 @@ class Trainer:
             weights = load_weights(out)  # written whole beside the old hf/ (and adapter/), then in their place
             written = write_folders(
                 out / "hf",
-                lambda folder: own_format(cfg.model, weights, folder, self.data.vocab, chat_files=self.data.files),
+                lambda folder: own_format(
+                    cfg.model,
+                    weights,
+                    folder,
+                    self.data.vocab,
+                    chat_files=self.data.files,
+                    **({"label_names": self.labels} if self.labels else {}),
+                ),
                 hint="free space (or fix the disk), then relaunch: the run writes hf/ again from its last checkpoint",
             )
             say(f"[parallel_train] {written}")

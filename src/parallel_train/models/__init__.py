@@ -14,13 +14,13 @@ from torch import nn
 
 from parallel_train.config.model import ModelConfig
 from parallel_train.models.gpt import GPT
-from parallel_train.models.hf import HFCausalLM
+from parallel_train.models.hf import HFModel
 from parallel_train.models.mlp import SeedMLP
 
 MODELS: dict[str, type[nn.Module]] = {
     "gpt": GPT,
     "mlp": SeedMLP,
-    "hf": HFCausalLM,  # a transformers causal LM (optional extra: requirements-hf.txt)
+    "hf": HFModel,  # a transformers model of any model.task (optional extra: requirements-hf.txt)
 }
 
 

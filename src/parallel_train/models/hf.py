@@ -1,16 +1,25 @@
-"""A causal language model from Hugging Face transformers as a template model (model.name=hf).
+"""A model from Hugging Face transformers, for any task of model.task, as a template model (model.name=hf).
 
     python train.py model.name=hf model.hf_path=PATH_OR_HUB_NAME data.tokenizer=PATH_OR_HUB_NAME
+    python train.py model.name=hf model.task=sequence-classification model.hf_path=A_BERT_FOLDER ...
 
-`HFCausalLM` wraps `AutoModelForCausalLM.from_pretrained` (model.hf_pretrained=true: fine-tune its weights) or
-`from_config` (false: random weights, to pre-train) and gives it the template's model contract:
-- `forward(ids) -> logits`, so the template's loss, metrics and sampler apply unchanged;
+`HFModel` builds the task's Auto class (tasks/task.py AUTO_CLASSES: AutoModelForCausalLM, ...ForSequenceClassification,
+...ForTokenClassification, ...ForMaskedLM, ...ForSeq2SeqLM, ...ForImageClassification) from the folder's config.json
+and loads its weights (model.hf_pretrained=true: fine-tune them) or keeps random ones (false: pre-train), and gives it
+the template's model contract:
+- `forward(x, positions=None, **inputs) -> logits`: x is the task's main input (input_ids, pixel_values), `inputs`
+  the batch's others (attention_mask, token_type_ids, decoder_input_ids, ...), so the task's loss, metrics and the
+  sampler apply unchanged;
+- a pretrained body given a new head (a classifier the folder lacks, or one of another number of labels), as
+  transformers fine-tunes: the head starts from transformers' own initialisation, named in one notice line
+  (`notice`); weights of the folder the task's model lacks (a masked-LM head) are ignored. Class names
+  (Data.label_names) set num_labels, id2label and label2id before it is built;
 - parameter names are the transformers model's own (`model.layers.0.self_attn.q_proj.weight`): the adapter
   registers the model's children under their own names, so checkpoints hold a Hugging Face state dict and the
   export (`output_dir/hf/`, hf_export.py) is a save without renaming;
 - `pipeline_units()`: the parts in forward order (embeddings, each decoder layer, final norm, lm_head) for the
   pipeline splitter, which sets the parts a stage does not hold to None; `forward` then runs only the others
-  (hf_layouts.py: Llama-, Mistral-, Qwen- and GPT-2-style decoders);
+  (hf_layouts.py: Llama-, Mistral-, Qwen- and GPT-2-style decoders; causal LMs only);
 - `_no_split_modules` (the decoder layer class: the unit FSDP wraps; accelerate reads it too; `decoder_layers()`
   lists them) and `tensor_parallel_plan(tp)` (transformers' own plan for the model, as torch ParallelStyles) for
   the sharding engines.
@@ -39,6 +48,7 @@ from parallel_train.errors import UserError
 from parallel_train.models import hf_export, hf_init, hf_layouts, hf_loading, hf_lora, hf_tensor_parallel
 from parallel_train.models.activation_checkpoint import Checkpointing, check_option, mode_field, option_field
 from parallel_train.models.ties import find_ties, with_aliases
+from parallel_train.tasks.task import DEFAULT, TASK_NAMES
 
 
 @dataclass
@@ -65,6 +75,12 @@ class HFConfig(ModelConfig):
         [], "LoRA: the modules to adapt, by name ([q_proj,v_proj]) or [all-linear]; []: peft's default for the architecture"
     )
 
+    tasks = TASK_NAMES  # every task: the Auto class of model.task builds the model
+
+    @property
+    def inputs(self) -> str:  # what forward takes (checked against Data.inputs): pixels for an image classifier
+        return "pixel values" if self.task == "image-classification" else "token ids"
+
     # Keys that mean nothing for another model, and why: given with another model.name they are an error, not a notice.
     exclusive = dict.fromkeys(("lora_rank", "lora_alpha", "lora_dropout", "lora_targets"), "LoRA adapts a pretrained Hugging Face model")
 
@@ -78,22 +94,30 @@ class HFConfig(ModelConfig):
         )
 
     def own_tokenizer(self) -> str | None:
+        if self.task == "image-classification":
+            return None  # pixels: no tokenizer (its image processor is the folder's preprocessor_config.json)
         return self.hf_path  # its folder's tokenizer.json (or the Hub repository's)
 
 
-class HFCausalLM(nn.Module):
+class HFModel(nn.Module):
     Config = HFConfig  # its keys: what model.name=hf accepts
 
-    def __init__(self, cfg: HFConfig, vocab_size: int):
+    def __init__(self, cfg: HFConfig, vocab_size: int, label_names: list[str] | None = None):
+        """`label_names`: a task with labels' class names (Data.label_names): the head's size, id2label and label2id."""
         super().__init__()
         config = hf_loading.load_config(cfg.hf_path)
-        hf_loading.check_causal_lm(config, cfg.hf_path)
+        self.task = cfg.task
+        hf_loading.check_task(config, cfg.task, cfg.hf_path)
         hf_loading.check_sizes(config, cfg.hf_path, vocab_size, cfg.block_size, cfg.vocab_size)
-        hf = hf_loading.build_causal_lm(config, cfg.hf_path, cfg.dtype, cfg.attn_implementation)
-        # Weights whose first values are another's in the files (an untied lm_head starts as the embedding).
-        self.__dict__["weight_aliases"] = {}
+        hf_loading.set_labels(config, label_names)
+        hf = hf_loading.build_model(config, cfg.task, cfg.hf_path, cfg.dtype, cfg.attn_implementation)
+        # Weights whose first values are another's in the files: stored under an older name (hf_loading.file_keys), an
+        # untied lm_head that starts as the embedding, a LoRA-wrapped layer's base weight.
+        files = hf_loading.weight_files(cfg.hf_path) if cfg.hf_pretrained else []  # found once (a Hub name: fetched once)
+        self.__dict__["weight_files"] = files
+        self.__dict__["weight_aliases"] = hf_loading.file_keys(hf, files) if files else {}
         if cfg.untie_embeddings and find_ties(hf):
-            self.weight_aliases.update(find_ties(hf))
+            self._alias(find_ties(hf))
             hf.lm_head.weight = nn.Parameter(hf.lm_head.weight.detach().clone())
             hf.config.get_text_config().tie_word_embeddings = False
         checkpointing = Checkpointing(cfg.activation_checkpointing, cfg.selective_ac)
@@ -107,7 +131,8 @@ class HFCausalLM(nn.Module):
         self.hf_path, self.pretrained = cfg.hf_path, cfg.hf_pretrained
         self.lora = False  # set once the adapters are in (below): from then on checkpoints hold them only
         self.block_size = cfg.block_size
-        self.layout = hf_layouts.layout_for(hf)
+        self.layout = hf_layouts.layout_for(hf) if self.task == DEFAULT else None  # the layouts are causal LMs'
+        self.main_input = hf.main_input_name  # what x is: input_ids, pixel_values
         self.pipeline_groups = self.layout.groups if self.layout else ()
         self._no_split_modules = list(getattr(hf, "_no_split_modules", None) or [])
         self.tp_plan = dict(getattr(hf, "tp_plan", None) or {})
@@ -115,15 +140,25 @@ class HFCausalLM(nn.Module):
         self._register_state_dict_hook(_adapters_only)
         self.register_load_state_dict_post_hook(_base_not_missing)
         self.train()
+        self.new_weights, self.notice = self._new_head() if self.pretrained else ([], None)
+        if cfg.lora_rank and self.new_weights:  # LoRA freezes every weight but its adapters, and checkpoints hold only those
+            raise UserError(
+                f"model.lora_rank: the new model.task={self.task} head ({', '.join(self.new_weights[:2])}) would stay frozen at its "
+                "random start and not be saved; train every weight (model.lora_rank=0), or start from a folder that holds the head"
+            )
         if self.pretrained and not next(self.parameters()).is_meta:  # built whole (tests, scripts): load its weights now
             self._load_pretrained()
         if cfg.lora_rank:  # after the pretrained weights: peft wraps the loaded Linear layers as they are
-            self.weight_aliases.update(hf_lora.apply(hf, cfg))
+            self._alias(hf_lora.apply(hf, cfg))
             self._register_parts()  # a targeted child of the model itself (lm_head) is a new module now
             self.lora = True
             self.lora_base = hf_lora.base_identity(cfg.hf_path)
         # Taken now, before any split or shard: the parents whose rules reach into a module's parameters (hf_init.py).
         self.__dict__["init_tree"] = hf_init.InitTree(hf)
+
+    def _alias(self, aliases: dict[str, str]) -> None:
+        """Add {name: the name it starts as}, through any name that is itself stored under another."""
+        self.weight_aliases.update({name: self.weight_aliases.get(source, source) for name, source in aliases.items()})
 
     def _register_parts(self) -> None:
         """The transformers model is not a submodule: its children are, under their own names (so parameter
@@ -138,7 +173,7 @@ class HFCausalLM(nn.Module):
     def pretrained_files(self) -> list[Path] | None:
         """The safetensors files the first weights come from (parallel/model_init.py reads each rank's slices), or None for
         random weights (hf_pretrained=false)."""
-        return hf_loading.weight_files(self.hf_path) if self.pretrained else None
+        return self.weight_files if self.pretrained else None
 
     def init_weights(self, name: str, module: nn.Module) -> None:
         """transformers' own initialisation of one module, as from_config gives it (its own rule and its parents',
@@ -149,6 +184,25 @@ class HFCausalLM(nn.Module):
         else:
             self.init_tree.apply(name, module)
 
+    def _new_head(self) -> tuple[list[str], str | None]:
+        """The weights the folder does not give (absent, or of another shape: hf_loading.new_weights), which start from
+        transformers' own initialisation, and the notice that names them. A causal LM must hold all of its own."""
+        if self.task == DEFAULT:
+            return [], None
+        fresh = hf_loading.new_weights(self, self.pretrained_files(), {**self.tied, **self.weight_aliases})
+        what = f"model.hf_path {self.hf_path!r}"
+        if len(fresh) == len(self.state_dict()):
+            raise UserError(
+                f"{what} holds none of the weights of its {self.hf.config.model_type} model; give the folder save_pretrained wrote"
+            )
+        if not fresh:
+            return [], None
+        names = ", ".join(fresh[:4]) + (f" and {len(fresh) - 4} more" if len(fresh) > 4 else "")
+        return fresh, (
+            f"notice: {what} gives no weights for {names} (a new model.task={self.task} head on its pretrained body, or a head of "
+            "another number of labels): they start from transformers' own initialisation, as from_pretrained gives them"
+        )
+
     def _load_pretrained(self) -> None:
         from safetensors.torch import load_file
 
@@ -157,7 +211,8 @@ class HFCausalLM(nn.Module):
             state.update(load_file(str(f)))
         # An untied lm_head starts as the embedding; a tied one is the embedding (save_pretrained stores it once).
         state = with_aliases(with_aliases(state, self.weight_aliases), self.tied)
-        missing = [n for n in self.state_dict() if n not in state]
+        state = {k: v for k, v in state.items() if k not in self.new_weights}  # these keep their fresh initialisation
+        missing = [n for n in self.state_dict() if n not in state and n not in self.new_weights]
         if missing:
             raise UserError(
                 f"model.hf_path {self.hf_path!r}: its weights lack {missing[0]!r} ({len(missing)} tensors); was it saved by save_pretrained?"
@@ -168,26 +223,32 @@ class HFCausalLM(nn.Module):
     def config(self) -> Any:
         return self.hf.config
 
-    def train(self, mode: bool = True) -> HFCausalLM:
+    def train(self, mode: bool = True) -> HFModel:
         super().train(mode)  # every part (they are the transformers model's children)
         self.hf.training = mode  # and the transformers model itself, which its own forward may consult
         return self
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Token ids (B, T) -> logits (B, T, vocab). A pipeline stage may lack some parts (hf_layouts.py).
-        `positions`: a packed batch's (data/batch.py), given to the model as position_ids, from which transformers'
-        attention masks keep the samples apart. `attention_mask`: a dict batch's (B, T) 1/0 padding mask, given to
-        the model as transformers takes it (every pipeline stage builds its layers' masks from it)."""
-        if self.layout is None:
-            if positions is None:
-                return self.hf(input_ids=x, attention_mask=attention_mask, use_cache=False).logits
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None, **inputs: torch.Tensor
+    ) -> torch.Tensor:
+        """The task's main input (token ids (B, T), pixels (B, C, H, W)) and the batch's other inputs (attention_mask,
+        token_type_ids, decoder_input_ids, ...) -> logits ((B, T, vocab), (B, classes), ...). A pipeline stage may lack
+        some parts (hf_layouts.py). `positions`: a packed batch's (data/batch.py), given to the model as position_ids,
+        from which transformers' attention masks keep the samples apart. `attention_mask` is named (not only in
+        **inputs) because the pipelines pass every stage the inputs its forward names: each stage builds its layers'
+        masks from it (hf_layouts.run_decoder)."""
+        if self.layout is not None and not inputs:  # a causal LM's parts, whole or one pipeline stage's
+            return hf_layouts.run_decoder(self, self.layout, self.hf.config, x, positions, attention_mask)
+        if attention_mask is not None:
+            inputs = {**inputs, "attention_mask": attention_mask}
+        if positions is not None:
             if "position_ids" not in inspect.signature(self.hf.forward).parameters:
                 raise UserError(
                     f"data.packing: model.hf_path {self.hf_path!r} ({self.hf.config.model_type}) takes no position_ids, so packed "
                     "samples cannot be kept apart; set data.packing=false"
                 )
-            return self.hf(input_ids=x, position_ids=positions, attention_mask=attention_mask, use_cache=False).logits
-        return hf_layouts.run_decoder(self, self.layout, self.hf.config, x, positions, attention_mask)
+            inputs = {**inputs, "position_ids": positions}
+        return self.hf(**{self.main_input: x}, **inputs).logits
 
     # What accelerate's FSDP2 preparation asks of a transformers model (its embeddings get FSDP units of their own).
     def get_input_embeddings(self) -> nn.Module:
@@ -201,8 +262,16 @@ class HFCausalLM(nn.Module):
             self.hf.tie_weights()
 
     def decoder_layers(self) -> list[nn.Module]:
-        """The modules FSDP shards one by one: every instance of the classes in `_no_split_modules`."""
-        return [m for m in self.modules() if type(m).__name__ in self._no_split_modules]
+        """The modules FSDP shards one by one: every instance of the classes in `_no_split_modules`, but one holding a
+        tied weight (a BERT's embeddings, whose word embedding is its masked-LM decoder's weight), which stays with the
+        root: FSDP2 shards a weight in one group only."""
+        tied = set(self.tied) | set(self.tied.values())
+        return [
+            m
+            for name, m in self.named_modules()
+            if type(m).__name__ in self._no_split_modules
+            and not any(f"{name}.{p}" in tied for p, _ in m.named_parameters(remove_duplicate=False))
+        ]
 
     def tensor_parallel_plan(self, tp: int) -> dict[str, Any]:
         """How `parallel.tp` ranks cut this model, for `parallelize_module`: transformers' own plan for it, in torch
@@ -218,11 +287,21 @@ class HFCausalLM(nn.Module):
                 f"parallel.tp={tp}: {what} ties lm_head to its input embedding, which tensor parallelism cuts two ways; "
                 "set model.untie_embeddings=true (lm_head gets its own copy)"
             )
+        if self.task != DEFAULT and self.tp_plan:  # the sequence-parallel regions here are a causal LM's (hf_tensor_parallel.py)
+            raise UserError(
+                f"parallel.tp={tp}: model.task={self.task}: tensor parallelism cuts causal language models only here; "
+                "shard it with FSDP (parallel.dp_shard) instead"
+            )
         return hf_tensor_parallel.tensor_parallel_plan(self, self.tp_plan, self.hf.config, tp, what)
 
     def pipeline_units(self) -> dict[str, nn.Module]:
         """The parts the pipeline splitter cuts between, in forward order (parallel/pipeline/split.py)."""
         what = f"model.hf_path {self.hf_path!r} ({self.hf.config.model_type})"
+        if self.task != DEFAULT:
+            raise UserError(
+                f"model.task={self.task}: pipeline stages split causal language models only here ({what}); train it without "
+                "pipeline stages (data parallel, or FSDP2 with parallel.dp_shard)"
+            )
         if self.layout is None:
             known = ", ".join(sorted(hf_layouts.LAYOUTS))
             raise UserError(
@@ -243,11 +322,13 @@ class HFCausalLM(nn.Module):
         not a matmul, so it counts only as lm_head where the two share one weight."""
         text = self.hf.config.get_text_config()
         n_params = sum(p.numel() for p in self.parameters())  # a tied weight once
-        if not self.tied:
-            n_params -= self.hf.get_input_embeddings().weight.numel()
+        embedding = self.hf.get_input_embeddings()
+        if not self.tied and isinstance(embedding, nn.Embedding):  # a vision model's patch embedding is a matmul
+            n_params -= embedding.weight.numel()
         # A frozen weight (LoRA's base) costs its forward and the gradient of its input, not its own: 4 per parameter.
         frozen = sum(p.numel() for p in self.parameters() if not p.requires_grad)
-        return 6 * n_params - 2 * frozen + 12 * text.num_hidden_layers * text.hidden_size * self.block_size
+        layers = getattr(text, "num_hidden_layers", 0) + getattr(text, "num_decoder_layers", 0)  # an encoder-decoder: both stacks
+        return 6 * n_params - 2 * frozen + 12 * layers * getattr(text, "hidden_size", 0) * self.block_size
 
     @staticmethod
     def export(cfg: HFConfig, state: dict[str, torch.Tensor], out: Path, tokenizer: Any, **options: Any) -> str:
@@ -257,11 +338,15 @@ class HFCausalLM(nn.Module):
         base = None
         if cfg.lora_rank:
             plain = dataclasses.replace(cfg, lora_rank=0, activation_checkpointing="none")
-            base = HFCausalLM(plain, hf_loading.embedding_rows(hf_loading.load_config(cfg.hf_path))).hf
+            base = HFModel(plain, hf_loading.embedding_rows(hf_loading.load_config(cfg.hf_path))).hf
         return hf_export.export_pretrained(cfg, state, out, tokenizer, base=base, **options)
 
 
-def _adapters_only(module: HFCausalLM, state: dict, prefix: str, local_metadata: Any) -> None:
+# Its name while it served causal LMs only, which scripts and tests of that time use.
+HFCausalLM = HFModel
+
+
+def _adapters_only(module: HFModel, state: dict, prefix: str, local_metadata: Any) -> None:
     """With LoRA a state dict holds the adapters only: the frozen base is read from model.hf_path at every start,
     so checkpoints need not hold it."""
     if module.lora:
@@ -269,7 +354,7 @@ def _adapters_only(module: HFCausalLM, state: dict, prefix: str, local_metadata:
             del state[key]
 
 
-def _base_not_missing(module: HFCausalLM, incompatible: Any) -> None:
+def _base_not_missing(module: HFModel, incompatible: Any) -> None:
     """Loading a LoRA checkpoint: the frozen base is not missing (it comes from model.hf_path)."""
     if module.lora:
         for key in [k for k in incompatible.missing_keys if not hf_lora.is_adapter(k)]:

@@ -1,4 +1,4 @@
-"""Loading a causal language model from Hugging Face transformers, with one-line errors for what a user can fix.
+"""Loading a model from Hugging Face transformers for the run's task, with one-line errors for what a user can fix.
 
 `model.hf_path` is a local folder (config.json, model.safetensors, tokenizer files: what `save_pretrained`
 writes) or a Hub name (e.g. Qwen/Qwen2.5-0.5B, fetched into the Hugging Face cache when online). Weights load
@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from parallel_train.errors import UserError
+from parallel_train.tasks.task import AUTO_CLASSES
 
 INSTALL = "pip install -r requirements-hf.txt"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -107,8 +108,10 @@ def check_weights(hf_path: str) -> None:
     )
 
 
-def embedding_rows(config: Any) -> int:
-    return int(config.get_text_config().vocab_size)
+def embedding_rows(config: Any) -> int | None:
+    """The token embedding's rows; None for a model without one (a vision model)."""
+    rows = getattr(config.get_text_config(), "vocab_size", None)
+    return None if rows is None else int(rows)
 
 
 def max_positions(config: Any) -> int | None:
@@ -120,6 +123,8 @@ def check_sizes(config: Any, hf_path: str, vocab_size: int, block_size: int, ask
     """The tokenizer's ids must fit the embedding, and the context must fit the position table. `asked_vocab`:
     model.vocab_size, which pads a vocabulary the template sizes (GPT) but cannot grow a Hugging Face embedding."""
     rows = embedding_rows(config)
+    if rows is None:  # pixels in, no token ids: no vocabulary and no context length to check
+        return
     if asked_vocab > rows:
         raise UserError(
             f"model.vocab_size={asked_vocab} exceeds the {rows} embedding rows of model.hf_path {hf_path!r}, whose vocabulary is "
@@ -135,14 +140,90 @@ def check_sizes(config: Any, hf_path: str, vocab_size: int, block_size: int, ask
         raise UserError(f"model.block_size={block_size} exceeds the {positions} positions of model.hf_path {hf_path!r}; lower it")
 
 
-def build_causal_lm(config: Any, hf_path: str, dtype: str, attn_implementation: str) -> torch.nn.Module:
-    """`AutoModelForCausalLM.from_config`: the architecture, with random weights (seeded by the caller) or, built
+def check_task(config: Any, task: str, hf_path: str) -> None:
+    """The architecture has a class for the task (model.task's Auto class: AutoModelForSequenceClassification, ...)."""
+    if task == "causal-lm":
+        check_causal_lm(config, hf_path)
+        return
+    auto = AUTO_CLASSES[task]
+    if type(config) not in getattr(import_transformers(), auto)._model_mapping:
+        raise UserError(
+            f"model.task={task}: model.hf_path {hf_path!r} is a {config.model_type} model, for which transformers has no "
+            f"{auto} class; give a model folder of an architecture that has one, or another model.task"
+        )
+
+
+def set_labels(config: Any, label_names: list[str] | None) -> None:
+    """The class names the data gives (Data.label_names): num_labels, id2label and label2id, as transformers' example
+    scripts set them before building the model. A pretrained head of another size is then a new head."""
+    if label_names:
+        config.num_labels = len(label_names)
+        config.id2label = dict(enumerate(label_names))
+        config.label2id = {name: i for i, name in enumerate(label_names)}
+
+
+def build_model(config: Any, task: str, hf_path: str, dtype: str, attn_implementation: str | None = None) -> torch.nn.Module:
+    """The task's `AutoModelFor....from_config` (AUTO_CLASSES): the architecture, with random weights (seeded by the caller) or, built
     under model_init.parameters_on_meta, none at all; pretrained weights come from `weight_files`."""
     transformers = import_transformers()
     try:
-        return transformers.AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], attn_implementation=attn_implementation)
+        kernel = {"attn_implementation": attn_implementation} if attn_implementation else {}  # None: transformers' default
+        return getattr(transformers, AUTO_CLASSES[task]).from_config(config, dtype=DTYPES[dtype], **kernel)
     except (OSError, ValueError, ImportError) as e:  # an attention kernel not installed
         raise UserError(f"model.hf_path {hf_path!r}: {_first_line(e)}") from None
+
+
+def file_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
+    """{tensor name: shape} of safetensors files, read from their headers (no tensor is loaded)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            shapes.update({k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()})  # noqa: SIM118
+    return shapes
+
+
+def file_keys(model: torch.nn.Module, files: list[Path]) -> dict[str, str]:
+    """{the model's name: the name in the files} where the two differ, as from_pretrained renames them: transformers'
+    own renamings of older checkpoints (a ViT's `encoder.layer.0.attention.attention.query` is `layers.0.attention.q_proj`
+    now) and the base model's prefix (a BertModel's `embeddings...` is a classifier's `bert.embeddings...`).
+    A checkpoint whose tensors transformers would reshape on loading (merged experts, ...) is refused in one line."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    conversions = get_model_conversion_mapping(model)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    meta = model.state_dict()
+    names = {}
+    for key in file_shapes(files):
+        name, converted = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
+        if converted is not None:
+            raise UserError(
+                f"model weights: {key!r} is stored in a layout transformers converts on loading ({converted}), which this "
+                "template does not read; save the model again with this transformers version (save_pretrained)"
+            )
+        if name != key and name in meta:
+            names[name] = key
+    return names
+
+
+def new_weights(model: torch.nn.Module, files: list[Path], aliases: dict[str, str]) -> list[str]:
+    """The model's weights that the files do not give, as from_pretrained finds them: absent (a new head on a
+    pretrained body: `classifier.weight`) or of another shape (a classifier of another number of labels). They start
+    from transformers' own initialisation. Tensors of the files that the model lacks (a masked-LM head) are ignored.
+    `aliases`: {name: the name whose tensor it starts as} (tied weights, renamed ones, an untied lm_head)."""
+    shapes = file_shapes(files)
+
+    def source(name: str) -> str:
+        for _ in range(len(aliases) + 1):  # a tied alias's owner may itself be stored under another name
+            if name in shapes or name not in aliases:
+                return name
+            name = aliases[name]
+        return name
+
+    return [name for name, t in model.state_dict().items() if shapes.get(source(name)) != tuple(t.shape)]
 
 
 def weight_files(hf_path: str) -> list[Path]:

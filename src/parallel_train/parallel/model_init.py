@@ -79,7 +79,14 @@ class Initializer:
     sharded model. `pretrained`: safetensors files whose tensors (by the model's parameter names) come first.
     """
 
-    def __init__(self, model: nn.Module, seed: int, pretrained: list[Path] | None = None, aliases: dict[str, str] | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        seed: int,
+        pretrained: list[Path] | None = None,
+        aliases: dict[str, str] | None = None,
+        fresh: tuple[str, ...] = (),
+    ):
         self.seed = seed
         self.rule: InitRule = getattr(model, "init_weights", None) or default_rule
         self.ties = find_ties(model)  # {alias: owner}: an alias is filled by its owner's rule (models/ties.py)
@@ -91,7 +98,7 @@ class Initializer:
             for n, b in m._buffers.items()
             if b is not None and not b.is_meta
         }
-        self.pretrained = PretrainedTensors(pretrained, aliases or {}) if pretrained else None
+        self.pretrained = PretrainedTensors(pretrained, aliases or {}, fresh) if pretrained else None
 
     def fill(self, module: nn.Module, device: torch.device) -> None:
         """Give `module`'s parameters (this rank's slices) memory on `device` and their first values. A tied weight
@@ -143,7 +150,7 @@ class PretrainedTensors:
     """Tensors by name from safetensors files; `read` takes only the slice a rank holds (`get_slice`), so no rank
     reads a whole tensor it shards, let alone a whole file."""
 
-    def __init__(self, files: list[Path], aliases: dict[str, str]):
+    def __init__(self, files: list[Path], aliases: dict[str, str], fresh: tuple[str, ...] = ()):
         from safetensors import safe_open
 
         self.where: dict[str, tuple[Path, str]] = {}  # model name -> (file, the name in the file)
@@ -152,6 +159,8 @@ class PretrainedTensors:
                 self.where.update({k: (f, k) for k in handle.keys()})  # noqa: SIM118 (safe_open has no __iter__)
         # e.g. an untied lm_head whose first values are the embedding's (models/hf.py)
         self.where.update({alias: self.where[name] for alias, name in aliases.items() if name in self.where and alias not in self.where})
+        for name in fresh:  # not read: the files hold it in another shape (a head of another number of labels)
+            self.where.pop(name, None)
 
     def __contains__(self, key: str) -> bool:
         return key in self.where
@@ -200,13 +209,19 @@ def parameters_on_meta():
         nn.Module.register_parameter = register
 
 
-def start_model(model_class: type[nn.Module], cfg, vocab_size: int, seed: int) -> tuple[nn.Module, Initializer | Whole]:
+def start_model(
+    model_class: type[nn.Module], cfg, vocab_size: int, seed: int, label_names: list[str] | None = None
+) -> tuple[nn.Module, Initializer | Whole]:
     """The model and what fills its parameters: on the meta device with an Initializer when the model can
-    (init_weights), else built whole on the CPU under `seed` (its own initialisation) with `Whole`."""
+    (init_weights), else built whole on the CPU under `seed` (its own initialisation) with `Whole`. `label_names`:
+    the class names of a task with labels (Data.label_names), given to the model as `label_names=` (its head's size
+    and the export's id2label)."""
+    extra = {"label_names": label_names} if label_names else {}
     if not can_start_on_meta(model_class):
         torch.manual_seed(seed)
-        return model_class(cfg, vocab_size), Whole()
+        return model_class(cfg, vocab_size, **extra), Whole()
     with parameters_on_meta():
-        model = model_class(cfg, vocab_size)
+        model = model_class(cfg, vocab_size, **extra)
     files = model.pretrained_files() if hasattr(model, "pretrained_files") else None
-    return model, Initializer(model, seed, files, getattr(model, "weight_aliases", None))
+    fresh = tuple(getattr(model, "new_weights", ()))
+    return model, Initializer(model, seed, files, getattr(model, "weight_aliases", None), fresh)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from numbers import Integral, Real
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -90,9 +91,16 @@ def regroup(flat: list[int], like: list[list[Any]]) -> list[list[int]]:
     return [flat[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
 
 
-def names_file(names: list[str]) -> dict[str, str]:
-    """The file the run saves its class names in (Data.files)."""
-    return {LABELS_FILE: json_text(names) + "\n"}
+def names_file(names: list[str] | None) -> dict[str, str]:
+    """The file the run saves its class names in (Data.files), beside its tokenizer in output_dir and every
+    checkpoint, so that an export of any checkpoint (scripts/export.py) writes the run's id2label; {} without names."""
+    return {LABELS_FILE: json_text(names) + "\n"} if names else {}
+
+
+def saved_label_names(folder: Path) -> list[str] | None:
+    """The class names saved with a run or a checkpoint (names_file), or None."""
+    path = Path(folder) / LABELS_FILE
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
 def changed_labels(saved_text: str, names: list[str]) -> str | None:

@@ -41,6 +41,16 @@ TASK_NAMES = (
     "image-classification",
 )
 DEFAULT = "causal-lm"
+# The transformers Auto class of each task, for the models (floor 1, below tasks/registry.py): each task module's
+# `auto_class`, which tests/test_structure.py checks against this table.
+AUTO_CLASSES = {
+    "causal-lm": "AutoModelForCausalLM",
+    "sequence-classification": "AutoModelForSequenceClassification",
+    "token-classification": "AutoModelForTokenClassification",
+    "masked-lm": "AutoModelForMaskedLM",
+    "seq2seq": "AutoModelForSeq2SeqLM",
+    "image-classification": "AutoModelForImageClassification",
+}
 
 
 @dataclass(frozen=True)
