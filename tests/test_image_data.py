@@ -11,6 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
+import hf_tiny
 from helpers import REPO, WarmCmd, launch_env, run, snapshot, train_losses
 from parallel_train.config.load import load_config
 from parallel_train.data.text import train_loader, val_loader
@@ -34,20 +35,21 @@ def make_images(folder, classes=tuple(COLOURS), per_class=4) -> None:
 
 @pytest.fixture(scope="module")
 def processor(tmp_path_factory):
-    """A model folder holding a tiny ViT's config.json and its image processor (16 x 16, mean and std 0.5)."""
-    from transformers import ViTConfig, ViTImageProcessor
-
-    folder = tmp_path_factory.mktemp("vit")
-    ViTConfig(
-        image_size=16, patch_size=8, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
-    ).save_pretrained(folder)
-    ViTImageProcessor(size=16).save_pretrained(folder)
-    return folder
+    """A tiny ViT classifier's model folder (tests/hf_tiny.py) with its image processor (16 x 16)."""
+    return hf_tiny.save_task_model(hf_tiny.vit_config(), "AutoModelForImageClassification", tmp_path_factory.mktemp("vit"))
 
 
 def config(folder, processor, *more: str):
-    cfg, _ = load_config(["model.name=hf", f"model.hf_path={processor}", f"data.path={folder}", "train.batch_size=2", *more])
-    cfg.model.task = "image-classification"  # set here: model.name=hf is built for causal-lm only until it serves this task
+    cfg, _ = load_config(
+        [
+            "model.name=hf",
+            "model.task=image-classification",
+            f"model.hf_path={processor}",
+            f"data.path={folder}",
+            "train.batch_size=2",
+            *more,
+        ]
+    )
     return cfg
 
 
@@ -119,17 +121,17 @@ def test_a_resume_on_other_classes_is_refused(tmp_path, processor):
 
 @pytest.mark.multiprocess
 def test_the_cv_example_recipe_trains_alike_on_one_and_two_processes_and_keeps_its_classes(tmp_path, processor):
-    """configs/cv_example.yaml, tiny, with a tiny classifier of the user's (tests/image_train.py: model.name=hf serves
-    images once it is merged) through the real Trainer: one process == two (DDP), no tokenizer to save, the class
-    names saved with the run and every checkpoint; a resume on other classes is one line and leaves the run as it was."""
+    """configs/cv_example.yaml, tiny (a tiny ViT, model.name=hf) through the real Trainer: one process == two (DDP), no
+    tokenizer to save, the class names saved with the run and every checkpoint; a resume on other classes is one line
+    and leaves the run as it was."""
     make_images(tmp_path / "pets")
-    args = ["--config", "configs/cv_example.yaml", "model.name=tinyvision", f"model.hf_path={processor}", f"data.path={tmp_path / 'pets'}"]
+    args = ["--config", "configs/cv_example.yaml", f"model.hf_path={processor}", f"data.path={tmp_path / 'pets'}"]
     args += ["data.num_workers=0", "train.max_steps=2", "train.warmup_steps=1", "train.lr_decay_steps=2", "train.log_interval=1"]
     args += ["eval.interval=2", "eval.iters=1", "eval.batch_size=4", "checkpoint.interval=2", "tracker=none"]
     env, one, two = launch_env(tmp_path), tmp_path / "one", tmp_path / "two"
     runs = [(1, one, "train.batch_size=4"), (2, two, "train.batch_size=2")]
     for nproc, out, batch in runs:
-        result = run(WarmCmd(nproc, "tests/image_train.py", (*args, batch, f"output_dir={out}")), env=env, timeout=120)
+        result = run(WarmCmd(nproc, "train.py", (*args, batch, f"output_dir={out}")), env=env, timeout=120)
         assert result.returncode == 0, result.output[-3000:]
     assert list(train_losses(one)) == [1, 2]
     assert train_losses(one) == pytest.approx(train_losses(two), abs=1e-5)
@@ -139,7 +141,7 @@ def test_the_cv_example_recipe_trains_alike_on_one_and_two_processes_and_keeps_i
     make_images(tmp_path / "more", classes=("fish",))
     before = snapshot(one)
     more = (*args, "train.batch_size=4", f"output_dir={one}", f"data.path={tmp_path / 'more'}", "train.max_steps=3")
-    refused = run(WarmCmd(1, "tests/image_train.py", more), env=env, timeout=120)
+    refused = run(WarmCmd(1, "train.py", more), env=env, timeout=120)
     errors = [line for line in refused.output.splitlines() if line.startswith("error:")]
     assert refused.returncode == 2 and len(errors) == 1 and "is 'fish'" in errors[0], refused.output[-3000:]
     assert "Traceback" not in refused.output and snapshot(one) == before

@@ -145,7 +145,9 @@ class Trainer:
         # The tokenizer of a resumed run is reused, so token ids cannot shift.
         self.task = task_of(cfg)  # tasks/: what the labels mean, where the data comes from, what validation reports
         saved = load_saved(self.resume_from) if self.resume_from else None
-        self.data = self.task.load(cfg, saved) if self.task.load else load_data(cfg, saved)
+        # The task reads its own columns from data.path (tasks/); a data.source of your own gives the batches instead.
+        own = self.task.load is not None and cfg.data.source == "text"
+        self.data = self.task.load(cfg, saved) if own else load_data(cfg, saved)
         self.labels = self.data.label_names if self.task.has_labels else None  # the head's size and the export's id2label
         self.data.files = {**self.data.files, **names_file(self.labels)}  # kept with the run, checked on resume
         if self.resume_from is not None:
