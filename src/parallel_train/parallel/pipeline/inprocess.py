@@ -15,7 +15,6 @@ Everything else is the data-parallel engine: Accelerate (device placement off), 
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -32,7 +31,7 @@ from parallel_train.parallel.parts import model_units
 from parallel_train.parallel.pipeline.cost import measure_units
 from parallel_train.parallel.pipeline.split import describe_stages, plan_stages
 from parallel_train.parallel.pipeline.tied import stages_holding
-from parallel_train.parallel.pipeline.timeline import Recorder, write_report
+from parallel_train.parallel.pipeline.timeline import Clock, Recorder, write_report
 from parallel_train.parallel.precision import Precision
 
 
@@ -78,36 +77,6 @@ def refuse_ties_across_devices(ties: dict[str, str], stages: list[list[str]], de
                 f"run on {', '.join(sorted(map(str, where)))}; put those stages on one device, or launch one process per "
                 "stage (no parallel.stage_devices), which keeps a tie across stages"
             )
-
-
-class Clock:
-    """Time stamps on a device: host time on CPU, CUDA events (read after a sync) on GPUs."""
-
-    def __init__(self, devices: list[torch.device]):
-        self.cuda = sorted({d for d in devices if d.type == "cuda"}, key=str)
-        self.base: dict[torch.device, object] = {}
-        self.t0 = 0.0
-
-    def start(self) -> None:
-        self.t0 = time.perf_counter()
-        for d in self.cuda:
-            torch.cuda.synchronize(d)
-            self.base[d] = torch.cuda.Event(enable_timing=True)
-            self.base[d].record(torch.cuda.current_stream(d))
-
-    def now(self, device: torch.device):
-        if device.type != "cuda":
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(device))
-        return event
-
-    def seconds(self, stamp, device: torch.device) -> float:
-        """Seconds since start(); call after the stamped work finished."""
-        if device.type != "cuda":
-            return stamp - self.t0
-        stamp.synchronize()
-        return self.base[device].elapsed_time(stamp) / 1e3
 
 
 class PipelineModule(nn.Module):
