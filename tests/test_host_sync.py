@@ -44,6 +44,7 @@ LAYOUTS = {
     "fsdp2": (2, ("parallel.dp_shard=2",)),
     "tp": (2, ("parallel.tp=2",)),
     "pipeline": (2, ("parallel.pipeline_stages=2", "parallel.microbatches=2")),
+    "pipeline_one_process": (1, ("parallel.pipeline_stages=2", "parallel.stage_devices=[cpu,cpu]", "parallel.microbatches=2")),
 }
 
 

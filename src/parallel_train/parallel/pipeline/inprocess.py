@@ -166,14 +166,14 @@ class PipelineModule(nn.Module):
         refuse_other_inputs(others, "the one-process pipeline (parallel.stage_devices)")
         training = self.training and torch.is_grad_enabled()
         if training:
-            self._close_flush()  # the previous flush's backward has run by now
             self.profiling = self._flushes % self.profile_every == 0
             self._flushes += 1
-            if self.profiling:
+            if self.profiling:  # the last timed flush is read now, not at the step after it: on GPUs no wait between
+                self._close_flush()
                 self.clock.start()
         else:
             self.profiling = False  # evaluation is not part of the schedule picture
-        x = x.to(self.devices[0])
+        x = x.to(self.devices[0], non_blocking=True)  # device to device (the batch came to the last stage's): no host wait
         chunks = torch.tensor_split(x, self.microbatches)
         kwargs = [{}] * len(chunks) if positions is None else [{"positions": p} for p in torch.tensor_split(positions, self.microbatches)]
         outputs = []
