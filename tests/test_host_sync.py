@@ -44,7 +44,11 @@ LAYOUTS = {
     "fsdp2": (2, ("parallel.dp_shard=2",)),
     "tp": (2, ("parallel.tp=2",)),
     "pipeline": (2, ("parallel.pipeline_stages=2", "parallel.microbatches=2")),
-    "pipeline_one_process": (1, ("parallel.pipeline_stages=2", "parallel.stage_devices=[cpu,cpu]", "parallel.microbatches=2")),
+    # executor 1 (stages on devices of one process), untimed: the timeline only when asked for
+    "pipeline_one_process": (
+        1,
+        ("parallel.pipeline_stages=2", "parallel.stage_devices=[cpu,cpu]", "parallel.microbatches=2", "parallel.timeline=false"),
+    ),
 }
 
 
@@ -62,11 +66,13 @@ def test_no_host_read_on_a_step_that_neither_logs_nor_agrees(tmp_path, layout):
     assert f"notice: {SYNC_DEBUG}=error checks CUDA devices only; this run is on cpu: not checked" in r.output
     for rank in range(nproc):
         reads = {int(step): calls for step, calls in json.loads((probe / f"rank{rank}.json").read_text()).items()}
-        quiet = (2, 3) if layout == "pipeline" else (1, 2, 3)
+        quiet = (2, 3) if layout.startswith("pipeline") else (1, 2, 3)
         assert all(reads[step] == [] for step in quiet), f"rank {rank}: host reads in a step that neither logs nor agrees: {reads}"
         # The last step agrees: one collective, one copy back (and nothing else reads).
         assert len(reads[4]) == 1 and reads[4][0].startswith("tolist at parallel_train/guards.py"), reads[4]
     assert [r for r in read_metrics(tmp_path / "out") if r["kind"] == "train"][-1]["tokens_per_sec"] > 0
+    if layout.startswith("pipeline"):  # the schedule picture is drawn only when the timeline is asked for
+        assert (tmp_path / "out" / "pipeline_timeline.png").exists() == (layout == "pipeline")
 
 
 def test_sync_debug_switch_is_checked_and_off_on_the_cpu(monkeypatch):

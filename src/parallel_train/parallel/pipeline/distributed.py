@@ -158,7 +158,7 @@ class MultiProcessPipelineEngine:
         self.local_numel = local_numel(self.local)
         self.model = None  # forward runs through the stage views of self.local (no one module to hook)
         self.recorder, self.clock = Recorder(), Clock([self.device], host=time.time)  # wall clock: comparable across ranks
-        self.profile_every = 10 if self.device.type == "cuda" else 1
+        self.profile_every = (10 if self.device.type == "cuda" else 1) if cfg.parallel.timeline else 0  # 0: never
         self._steps, self.profiling, self._stamps = 0, False, []
         self.is_first, self.is_last = 0 in self.stage_ids, (S * V - 1) in self.stage_ids
         self.loss_owner = self.is_last and self.tp_rank == 0
@@ -225,7 +225,7 @@ class MultiProcessPipelineEngine:
         x, y, positions = parts(concat(micro), self.device)
         refuse_other_inputs(positions, f"the multi-process pipeline (parallel.pipeline_stages={self.S})")
         self._scale, self._sums = scale, []  # on this device already (step.py)
-        self.profiling = self._steps % self.profile_every == 0
+        self.profiling = bool(self.profile_every) and self._steps % self.profile_every == 0
         if self.profiling:
             self._close_flush()
             self.clock.start()  # on a GPU one wait for the device, on this timed step only

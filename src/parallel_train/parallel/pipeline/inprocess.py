@@ -166,7 +166,7 @@ class PipelineModule(nn.Module):
         refuse_other_inputs(others, "the one-process pipeline (parallel.stage_devices)")
         training = self.training and torch.is_grad_enabled()
         if training:
-            self.profiling = self._flushes % self.profile_every == 0
+            self.profiling = bool(self.profile_every) and self._flushes % self.profile_every == 0  # 0: never
             self._flushes += 1
             if self.profiling:  # the last timed flush is read now, not at the step after it: on GPUs no wait between
                 self._close_flush()
@@ -205,10 +205,10 @@ class InProcessPipelineEngine(DataParallelEngine):
         refuse_ties_across_devices(find_ties(model), stages, devices)
         self.base, self.stages, self.devices = model, stages, devices
         self.recorder = Recorder()
-        # On GPUs the host would wait for each timed flush; time one flush in ten there.
-        self.pipe = PipelineModule(
-            model, stages, devices, p.microbatches, self.recorder, profile_every=10 if any(d.type == "cuda" for d in devices) else 1
-        )
+        # On GPUs a timed flush waits for the devices once (the clock's anchor): time one flush in ten there, none
+        # without parallel.timeline.
+        every = (10 if any(d.type == "cuda" for d in devices) else 1) if p.timeline else 0
+        self.pipe = PipelineModule(model, stages, devices, p.microbatches, self.recorder, profile_every=every)
         if accelerator.num_processes > 1:
             # Accelerate refuses (or pins DDP to one GPU for) a model spread over devices unless told to
             # let it be; DDP then syncs the gradients of the multi-device module (device_ids=None).
