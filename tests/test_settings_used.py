@@ -54,6 +54,7 @@ CASES = {
     "parallel.microbatches": ("4", [], ["parallel.pipeline_stages=2"]),
     "parallel.schedule": ("1f1b", [], ["parallel.pipeline_stages=2"]),
     "parallel.split": ("time", [], ["parallel.pipeline_stages=2"]),
+    "parallel.timeline": ("false", [], ["parallel.pipeline_stages=2"]),
     "parallel.stages_per_rank": ("3", ["parallel.pipeline_stages=2"], ["parallel.pipeline_stages=2", "parallel.schedule=interleaved1f1b"]),
 }
 

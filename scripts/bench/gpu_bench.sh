@@ -12,7 +12,10 @@
 # MESH (default 1 with 2+ GPUs, 0 in a dry run): also the device-mesh cells (FSDP2, FSDP x TP, TP, HSDP,
 # TP x PP on N GPUs), each beside scripts/estimate_memory.py's prediction for it: $OUT/mesh.md and mesh.json.
 # MFU uses the peak of the GPU from src/parallel_train/observe/perf.py (A100/H100/H200); set PEAK_TFLOPS for others.
+# PARALLEL_TRAIN_SYNC_DEBUG (default error): torch.cuda.set_sync_debug_mode around every step but the first, so a
+# host-device sync in a step that neither logs nor agrees stops the cell (warn: only say it; empty: off).
 set -euo pipefail
+export PARALLEL_TRAIN_SYNC_DEBUG=${PARALLEL_TRAIN_SYNC_DEBUG-error}
 
 cd "$(dirname "$0")/../.."
 DRY_RUN=0

@@ -10,7 +10,10 @@
 # 2. Multi-process executor: torchrun with 2 processes, GPipe against 1F1B at M=8: peak memory of
 #    stage 0 (rank 0) should drop with 1F1B (at most S micro-batches in flight instead of M).
 # Results: OUT_DIR/results.md (a table) and one run folder per cell (summary.json, timeline PNG).
+# PARALLEL_TRAIN_SYNC_DEBUG (default error): torch.cuda.set_sync_debug_mode around every step but the first, so a
+# host-device sync in a step that neither logs nor agrees stops the cell (warn: only say it; empty: off).
 set -euo pipefail
+export PARALLEL_TRAIN_SYNC_DEBUG=${PARALLEL_TRAIN_SYNC_DEBUG-error}
 cd "$(dirname "$0")/../.."
 OUT=${1:-runs/gpu_pipeline_bench}
 PY=${PYTHON:-.venv/bin/python}

@@ -16,7 +16,9 @@ non-finite step") every AGREE_EVERY steps and on log, checkpoint and final steps
 reading the result is a host-device sync that would stall the pipelined launch of kernels, and on CPU the
 extra gloo round trip (a barrier between ranks) cost 4% of 2-process throughput (docs/BENCHMARKS.md). A
 signal is then honoured within that many steps (well inside SLURM's and torchrun's grace periods of 30 s or
-more), and the non-finite flags of the steps in between are kept, so the first bad step is still named.
+more), and the first non-finite step in between is kept on the device (a running minimum, never read), so it is
+still named. The agreement itself is one collective on the device and one copy back: the signal goes in as a fill
+on the device, not as a host tensor copied over.
 """
 
 from __future__ import annotations
@@ -76,7 +78,8 @@ class RunGuard:
         self.max_skipped, self.skipped = max_skipped, skipped_so_far
         self.signals = StopSignals()
         self.step = 0
-        self._bad: list[tuple[int, torch.Tensor]] = []  # (step, device bool) since the last agreement
+        self._first_bad: torch.Tensor | None = None  # the first non-finite step since the last agreement (device)
+        self._noted = 0  # the last step whose flag is in _first_bad
         PROGRESS.timeout_s, PROGRESS.rank = timeout_s, accelerator.process_index
 
     # ---- per step
@@ -90,7 +93,7 @@ class RunGuard:
         if grad_norm is not None:
             bad = bad | ~torch.isfinite(grad_norm.detach())
         if self.max_skipped == 0:
-            self._bad.append((self.step, bad))  # read at the next agreement: no sync here
+            self._note(self.step, bad)  # read at the next agreement: no sync here
             return True
         # Skipping needs the verdict before the update: one all-reduce and host sync per step (the price
         # of train.max_skipped_steps > 0, documented there). MAX: if any rank saw it, every rank skips.
@@ -109,23 +112,26 @@ class RunGuard:
             )
         return False
 
+    def _note(self, step: int, bad: torch.Tensor) -> None:
+        """Keep the earliest non-finite step on the device: where(bad, step, none), a running minimum."""
+        here = torch.where(bad.reshape(()), step, NO_BAD_STEP)  # Python numbers: kernel arguments, no copy
+        self._first_bad = here if self._first_bad is None else torch.minimum(self._first_bad, here)
+        self._noted = step
+
     def end_step(self, step: int, loss: torch.Tensor, force: bool = False) -> str | None:
         """Agree with the other ranks (every AGREE_EVERY steps, or when forced): raises on a non-finite step,
         returns the stop signal's name when any rank received one, else None. Every rank calls it every step."""
-        if self.max_skipped == 0 and (not self._bad or self._bad[-1][0] != step):
-            self._bad.append((step, ~torch.isfinite(loss.detach())))  # an engine that does not call update_allowed
+        if self.max_skipped == 0 and self._noted != step:
+            self._note(step, ~torch.isfinite(loss.detach()))  # an engine that does not call update_allowed
         if not force and step % AGREE_EVERY:
             return None
-        first_bad = NO_BAD_STEP
-        if self._bad:
-            flags = torch.stack([b for _, b in self._bad]).reshape(-1).cpu()  # the one sync of the window
-            hits = [s for (s, _), f in zip(self._bad, flags.tolist(), strict=True) if f]
-            first_bad = hits[0] if hits else NO_BAD_STEP
-            self._bad.clear()
-        got_signal = self.signals.received or 0  # the signal's number, so every rank can name it
-        # One all-reduce: MAX of (signal, -first_bad) = (a signal any rank got, -(earliest bad step on any rank)).
+        device = self._first_bad.device if self._first_bad is not None else self.device
+        first_bad = self._first_bad if self._first_bad is not None else torch.full((), NO_BAD_STEP, device=device)
+        self._first_bad = None
+        got_signal = torch.full((), self.signals.received or 0, device=device)  # its number: every rank can name it
+        # One all-reduce and one copy back: MAX of (signal, -first_bad) = (a signal any rank got, -(earliest bad step)).
         agreed = all_reduce_small(
-            torch.tensor([got_signal, -first_bad], dtype=torch.int64), torch.distributed.ReduceOp.MAX, self.device
+            torch.stack([got_signal, -first_bad]).to(torch.int64), torch.distributed.ReduceOp.MAX, self.device
         ).tolist()
         if -agreed[1] != NO_BAD_STEP:
             raise UserError(

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -36,6 +37,15 @@ def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def valid_tokens(targets: torch.Tensor) -> torch.Tensor:
     """How many targets count (not IGNORE_INDEX), as an int64 tensor."""
     return (targets != IGNORE_INDEX).sum()
+
+
+def valid_on_host(targets: torch.Tensor) -> int:
+    """How many targets count, read on the host from a batch not yet moved: `.numpy()` exists for CPU tensors only, so
+    this never waits for a device (the optimizer step counts its batches so: step.py). A batch a loader placed on a
+    device already is counted there and read: one sync."""
+    if targets.device.type == "cpu":
+        return int(np.count_nonzero(targets.numpy() != IGNORE_INDEX))
+    return int(valid_tokens(targets))
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

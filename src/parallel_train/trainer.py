@@ -40,7 +40,7 @@ from parallel_train.guards import RunGuard, stop_message
 from parallel_train.models import MODELS
 from parallel_train.models.hf_lora import check_same_base
 from parallel_train.observe.messages import train_line
-from parallel_train.observe.perf import Throughput, configure_backends, mfu, peak_flops, process_age_s
+from parallel_train.observe.perf import Throughput, configure_backends, mfu, peak_flops, process_age_s, sync_checked, sync_debug_mode
 from parallel_train.observe.plots import PICTURE, plot_runs
 from parallel_train.observe.tracking import MetricsLog, finish_trackers, init_trackers, prepare_tracker_env
 from parallel_train.optim import build_optimizer, build_scheduler
@@ -56,7 +56,7 @@ from parallel_train.run.resume_config import SCHEDULE, apply_schedule, change_no
 from parallel_train.step import Stepper, StepResult
 from parallel_train.tasks.label_names import names_file
 from parallel_train.tasks.registry import task_of
-from parallel_train.tasks.task import Aligned
+from parallel_train.tasks.task import Aligned, units_in
 
 
 def say(message: str) -> None:
@@ -129,6 +129,9 @@ class Trainer:
         self.device = self.accelerator.device
         self.precision = make_precision(requested_precision(cfg), self.device, self.accelerator.num_processes, deepspeed_runs())
         configure_backends(cfg.train, self.device, shards_parameters(cfg, self.accelerator.num_processes))
+        self.sync_debug, notice = sync_debug_mode(self.device)  # PARALLEL_TRAIN_SYNC_DEBUG (the GPU benchmark scripts)
+        if notice:
+            say(notice)
         say(
             f"[parallel_train] {describe(self.accelerator)} | world size {self.accelerator.num_processes} | device {self.device} | "
             f"threads {torch.get_num_threads()} | "
@@ -217,7 +220,8 @@ class Trainer:
         self.state.base_model = self.base_model
         # guards.py: stop signals, non-finite loss/gradients, the stop step all ranks agree on
         self.guard = RunGuard(self.accelerator, self.cfg.train.max_skipped_steps, self.cfg.parallel.timeout_s, self.state.skipped_steps)
-        self.stepper = Stepper(self.engine, self.precision, self.cfg.train, self.data.all_targets_count, self.guard.update_allowed)
+        units = lambda batch: units_in(self.task, batch)  # noqa: E731 (throughput's units, counted on the host)
+        self.stepper = Stepper(self.engine, self.precision, self.cfg.train, self.data.all_targets_count, self.guard.update_allowed, units)
         self.stepper.skipped_by_scaler, self.stepper.skipped_empty = self.state.scaler_skipped_steps, self.state.skipped_empty_steps
         # Test-only fault injection, one hook called after every step: a no-op unless PARALLEL_TRAIN_FAULT is set.
         self.fault_hook = faults.step_hook(self.engine.model, lambda: self.guard.step)
@@ -250,7 +254,8 @@ class Trainer:
             self.data, cfg, self.engine.dp_size, self.engine.dp_rank, self.start_step, self.device.type == "cuda", stream_state=position
         )
         self.batches = TimedIterator(iter(Aligned(self.task, self.loader)))
-        self.flops_per_token = self.engine.flops_per_token()
+        # MFU counts FLOPs per token: none for a task whose throughput is in samples (tasks/task.py), where it means nothing
+        self.flops_per_token = self.engine.flops_per_token() if self.task.units == "tokens" else None
         self.peak = peak_flops(self.device, self.precision.name, cfg.train)
         self.speed = Throughput()
         self.first_step_s: float | None = None
@@ -289,7 +294,8 @@ class Trainer:
         cfg = self.cfg
         for _ in range(self.start_step, cfg.train.max_steps):
             lr = self.optimizer.param_groups[0]["lr"]
-            result, done = self.train_step()
+            with sync_checked(self.sync_debug if self.state.step > self.start_step else None):  # after the first step
+                result, done = self.train_step()
             # All ranks agree on "stop signal?" and "non-finite?" (raises naming the step) before anything is logged or saved.
             stop = self.guard.end_step(done, result.loss_sum, force=self.due(cfg.train.log_interval) or self.due(cfg.checkpoint.interval))
             if self.due(cfg.train.log_interval):
@@ -311,29 +317,30 @@ class Trainer:
     def train_step(self) -> tuple[StepResult, int]:
         """One optimizer step (step.py; the engine runs the micro-batches). Returns its losses (device tensors) and the step."""
         self.guard.begin_step(self.state.step + 1)
-        result = self.stepper.step(self.batches)
-        if result.empty:
-            self.skipped_empty_step()
+        result = self.stepper.step(self.batches, self.state.step + 1)
+        if result.empty:  # known on the host (step.py): no optimizer step was taken
+            with warnings.catch_warnings():  # torch's warning of a schedule stepped before its optimizer: here that is the plan
+                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler")
+                self.scheduler.step()
         else:
             self.scheduler.step()
         self.state.step += 1
         self.fault_hook(self.state.step)
-        self.speed.add(result.tokens * self.engine.dp_size)
+        self.speed.add(result.units)  # this rank's; summed over the ranks when logged
         self.pbar.update(1)
         if self.first_step_s is None:  # from the process's start: imports and set-up count
             self.first_step_s = process_age_s() or time.perf_counter() - self.t_start
             self.first_step_memory = peak_memory_mb(self.device)  # the start's peak: model built, cut, filled, one step
         return result, self.state.step
 
-    def skipped_empty_step(self) -> None:
-        """A step with no token to learn (step.py) is still a step of the schedule; the first one says what it is."""
-        if self.stepper.skipped_empty == 1:  # the rest are counted
-            say(
-                f"notice: step {self.state.step + 1} has no token to learn on any rank: skipped (no update); counted in skipped_empty_steps"
-            )
-        with warnings.catch_warnings():  # torch's warning of a schedule stepped before its optimizer: here that is the plan
-            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler")
-            self.scheduler.step()
+    def settle(self) -> list[int]:
+        """The steps skipped since the last call, read from the device (step.py) where the loop syncs anyway: log,
+        checkpoint, end. A step with no token to learn is still a step of the schedule; the first one says what it is."""
+        first = self.stepper.skipped_empty == 0
+        empty = self.stepper.settle()
+        if empty and first:  # the rest are counted
+            say(f"notice: step {empty[0]} has no token to learn on any rank: skipped (no update); counted in skipped_empty_steps")
+        return empty
 
     def due(self, interval: int) -> bool:
         """Whether the step just done is a log/eval/checkpoint step for this interval (the last step always is)."""
@@ -343,20 +350,24 @@ class Trainer:
     def log(self, result: StepResult, lr: float) -> None:
         """The train record of this interval. The only host-device sync of the step, and only on log steps."""
         # Per token, over ranks and micro-batches: a collective. None (null): a skipped step had nothing to learn.
-        train_loss = None if result.empty else self.stepper.mean_loss(result).item()
+        done, interval = self.state.step, self.cfg.train.log_interval
+        empty = self.settle()
+        loss = self.stepper.mean_loss(result).item()  # a collective: every rank calls it, the empty step's too
+        train_loss = None if result.empty or done in empty else loss
         if train_loss is not None:
             self.state.final_train_loss = train_loss
-        done, interval = self.state.step, self.cfg.train.log_interval
-        tok_s, elapsed = self.speed.interval(warm=done > self.start_step + interval)  # the first interval holds warm-up
+        # Throughput in the task's units (tasks/task.py), this interval's counts of every rank summed (a collective)
+        units = self.stepper.over_ranks(self.speed.pending)
+        rate, elapsed = self.speed.interval(warm=done > self.start_step + interval, units=units)  # the first holds warm-up
         record = {
             "kind": "train",
             "step": done,
             "loss": train_loss,
             "lr": lr,
-            "tokens_per_sec": tok_s,
+            f"{self.task.units}_per_sec": rate,  # tokens_per_sec (not padding) or samples_per_sec
             "step_time_s": elapsed / (min(interval, done - self.start_step) or 1),
             "data_time_frac": min(1.0, self.batches.seconds / elapsed),
-            "mfu": mfu(self.flops_per_token, tok_s, self.peak, self.accelerator.num_processes),
+            "mfu": mfu(self.flops_per_token, rate, self.peak, self.accelerator.num_processes),
         }
         if self.precision.scaler is not None:  # fp16: updates the loss scaler skipped on an overflow, so far
             record["skipped_by_scaler"] = self.stepper.skipped_by_scaler
@@ -364,7 +375,7 @@ class Trainer:
             record["skipped_empty_steps"] = self.stepper.skipped_empty
         self.batches.seconds = 0.0
         self.metrics.log(record)
-        self.pbar.set_postfix(loss=fmt(train_loss), tok_s=f"{tok_s:,.0f}")
+        self.pbar.set_postfix(loss=fmt(train_loss), **{"tok_s" if self.task.units == "tokens" else "samples_s": f"{rate:,.0f}"})
         say(train_line(record, self.cfg.train.max_steps))  # plain lines: the bar is off when stderr is not a terminal
 
     def evaluate(self) -> None:
@@ -383,6 +394,7 @@ class Trainer:
 
     def save(self) -> None:
         """A checkpoint of this step (a collective): weights, optimizer, schedule, every rank's RNG, the state."""
+        self.settle()  # the skipped steps so far, read from the device
         self.state.skipped_steps, self.state.scaler_skipped_steps = self.guard.skipped, self.stepper.skipped_by_scaler
         self.state.skipped_empty_steps = self.stepper.skipped_empty
         # A collective; None unless the data is a stream (one position per data-parallel rank).
@@ -424,6 +436,7 @@ class Trainer:
                 hint="free space (or fix the disk), then relaunch: the run writes hf/ again from its last checkpoint",
             )
             say(f"[parallel_train] {written}")
+        self.settle()
         summary = {**self.summary(), **engine_summary}
         write_atomic(out / "summary.json", json_text(summary, indent=1))
         say(f"[parallel_train] loss curves: {plot_runs([out], out / PICTURE)}")
@@ -434,7 +447,7 @@ class Trainer:
 
     def summary(self) -> dict:
         """summary.json's fields (the engine adds its own)."""
-        accelerator, state, tok_s = self.accelerator, self.state, self.speed.steady_tokens_per_sec
+        accelerator, state, rate = self.accelerator, self.state, self.speed.steady_rate
         return {
             "steps": self.cfg.train.max_steps,
             "final_train_loss": state.final_train_loss,
@@ -447,8 +460,8 @@ class Trainer:
             "mixed_precision": self.precision.name,
             "skipped_by_scaler_steps": self.stepper.skipped_by_scaler,
             "skipped_empty_steps": self.stepper.skipped_empty,  # no token to learn on any rank (step.py)
-            "tokens_per_sec": tok_s,
-            "mfu": mfu(self.flops_per_token, tok_s, self.peak, accelerator.num_processes) if tok_s else None,
+            f"{self.task.units}_per_sec": rate,  # tokens_per_sec (not padding) or samples_per_sec (tasks/task.py)
+            "mfu": mfu(self.flops_per_token, rate, self.peak, accelerator.num_processes) if rate else None,
             "wall_time_s": time.perf_counter() - self.t_start,
             "time_to_first_step_s": self.first_step_s,
             "resumed_from": str(self.resume_from) if self.resume_from else None,

@@ -164,6 +164,11 @@ class ParallelConfig:
         choices=("gpipe", "1f1b", "interleaved1f1b", "interleavedzb", "zbv", "dualpipev"),
     )
     stage_devices: list[str] = opt([], "devices of the stages in one process, e.g. [cuda:0,cuda:1]")
+    timeline: bool = opt(
+        True,
+        "pipelines: time the stages' passes for the schedule picture and the measured bubble (every step on CPU; on GPUs "
+        "1 in 10, with CUDA events and one wait for the device on that step); false: no timing",
+    )
     split: str = opt(
         "auto",
         "auto (balance parameter count), time (balance measured time) or module names per stage, stages split by |: "

@@ -140,6 +140,7 @@ ROWS: tuple[Row, ...] = (
     Row("parallel.microbatches", "parallel.pipeline_stages > 1", _pipeline),
     Row("parallel.schedule", "parallel.pipeline_stages > 1", _pipeline),
     Row("parallel.split", "parallel.pipeline_stages > 1", _pipeline),
+    Row("parallel.timeline", "parallel.pipeline_stages > 1", _pipeline),
     Row(
         "parallel.stages_per_rank",
         "parallel.pipeline_stages > 1 with parallel.schedule=interleaved1f1b or interleavedzb",

@@ -15,15 +15,23 @@ from typing import Any
 
 
 def train_line(record: dict[str, Any], max_steps: int) -> str:
-    """`step 10/2000 | loss 2.3456 | lr 1.00e-03 | 12,345 tok/s | 70.1 ms/step | data 2% [| mfu 31.0%]`."""
+    """`step 10/2000 | loss 2.3456 | lr 1.00e-03 | 12,345 tok/s | 70.1 ms/step | data 2% [| mfu 31.0%]` (samples/s for a
+    task judged per sample)."""
     line = (
         f"step {record['step']}/{max_steps} | loss {'n/a' if record['loss'] is None else format(record['loss'], '.4f')} | lr {record['lr']:.2e} | "
-        f"{record['tokens_per_sec']:,.0f} tok/s | {record['step_time_s'] * 1000:.1f} ms/step | "
+        f"{throughput(record)} | {record['step_time_s'] * 1000:.1f} ms/step | "
         f"data {record['data_time_frac']:.0%}"
     )
     if record.get("mfu") is not None:
         line += f" | mfu {record['mfu']:.1%}"
     return line
+
+
+def throughput(record: dict[str, Any]) -> str:
+    """`12,345 tok/s` (tokens that are not padding) or `456 samples/s`: the task's units (tasks/task.py)."""
+    if "samples_per_sec" in record:
+        return f"{record['samples_per_sec']:,.1f} samples/s"
+    return f"{record['tokens_per_sec']:,.0f} tok/s"
 
 
 def quiet_third_party() -> None:

@@ -1,4 +1,5 @@
-"""Speed settings, the peak FLOP/s of known accelerators (for model FLOPs utilisation, MFU), and the tokens/s meter."""
+"""Speed settings, the peak FLOP/s of known accelerators (for model FLOPs utilisation, MFU), and the throughput meter
+(tokens/s or samples/s)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,13 @@ import ctypes
 import os
 import platform
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from parallel_train.config.sections import TrainConfig
+from parallel_train.errors import UserError
 
 # Dense peak TFLOP/s (no sparsity) from the vendors' data sheets, per GPU (SXM parts).
 PEAK_TFLOPS = {
@@ -81,6 +84,40 @@ def set_host_allocator(shards_parameters: bool = False) -> tuple[int, int] | Non
     return None
 
 
+SYNC_DEBUG = "PARALLEL_TRAIN_SYNC_DEBUG"  # warn | error: torch.cuda.set_sync_debug_mode around the steady steps
+
+
+def sync_debug_mode(device: torch.device) -> tuple[str | None, str | None]:
+    """(the mode, a notice) from PARALLEL_TRAIN_SYNC_DEBUG=warn|error: torch.cuda.set_sync_debug_mode around every step
+    of a launch but its first (lazy starts, a pipeline's shape exchange), so that a host-device sync creeping into the
+    step warns or stops the run (step.py: a step that neither logs nor agrees never waits for the device). The
+    GPU benchmark scripts set error. CUDA only: on another device the switch is named and left off. Steps that
+    sync by design: train.max_skipped_steps > 0 (the verdict before every update), fp16 on data with ignored targets."""
+    value = os.environ.get(SYNC_DEBUG, "")
+    if not value:
+        return None, None
+    if value not in ("warn", "error"):
+        raise UserError(
+            f"{SYNC_DEBUG}={value!r}: expected warn or error (torch.cuda.set_sync_debug_mode around the training steps), or leave it unset"
+        )
+    if device.type != "cuda":
+        return None, f"notice: {SYNC_DEBUG}={value} checks CUDA devices only; this run is on {device.type}: not checked"
+    return value, None
+
+
+@contextmanager
+def sync_checked(mode: str | None):
+    """torch.cuda.set_sync_debug_mode(mode) inside, back to default after (nothing when mode is None)."""
+    if mode is None:
+        yield
+        return
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def peak_flops(device: torch.device, precision: str, cfg: TrainConfig) -> float | None:
     """FLOP/s of one device at this precision: train.peak_tflops, else the PEAK_TFLOPS env var, else the
     table above for a known GPU; None when unknown (e.g. a CPU without train.peak_tflops)."""
@@ -116,29 +153,32 @@ def process_age_s() -> float | None:
 
 
 class Throughput:
-    """Tokens per second over each log interval, not counting the pauses for evaluation and checkpoints; the
-    steady rate over the whole run leaves out the first interval (compilation, allocator and cache warm-up)."""
+    """Throughput in the task's units (tokens or samples: tasks/task.py) over each log interval, not counting the pauses
+    for evaluation and checkpoints; the steady rate over the whole run leaves out the first interval (compilation,
+    allocator and cache warm-up). `add` takes this rank's count; `interval` the count over every rank, when given."""
 
     def __init__(self) -> None:
-        self.t_last, self.paused, self.tokens = time.perf_counter(), 0.0, 0
-        self.steady_tokens, self.steady_time = 0, 0.0
+        self.t_last, self.paused, self.pending = time.perf_counter(), 0.0, 0
+        self.steady_units, self.steady_time = 0, 0.0
 
-    def add(self, tokens: int) -> None:
-        self.tokens += tokens
+    def add(self, units: int) -> None:
+        self.pending += units
 
     def pause(self, seconds: float) -> None:
         self.paused += seconds
 
-    def interval(self, warm: bool) -> tuple[float, float]:
-        """(tokens/s, seconds) of the interval since the last call; `warm` intervals count towards the steady rate."""
+    def interval(self, warm: bool, units: int | None = None) -> tuple[float, float]:
+        """(units/s, seconds) of the interval since the last call; `warm` intervals count towards the steady rate.
+        `units`: the interval's count over every rank (default: what `add` was given)."""
         now = time.perf_counter()
         elapsed = max(now - self.t_last - self.paused, 1e-9)
-        rate = self.tokens / elapsed
+        units = self.pending if units is None else units
+        rate = units / elapsed
         if warm:
-            self.steady_tokens, self.steady_time = self.steady_tokens + self.tokens, self.steady_time + elapsed
-        self.t_last, self.paused, self.tokens = now, 0.0, 0
+            self.steady_units, self.steady_time = self.steady_units + units, self.steady_time + elapsed
+        self.t_last, self.paused, self.pending = now, 0.0, 0
         return rate, elapsed
 
     @property
-    def steady_tokens_per_sec(self) -> float | None:
-        return self.steady_tokens / self.steady_time if self.steady_time else None
+    def steady_rate(self) -> float | None:
+        return self.steady_units / self.steady_time if self.steady_time else None

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from parallel_train.losses import IGNORE_INDEX, loss_sum
+from parallel_train.losses import IGNORE_INDEX, loss_sum, valid_on_host
 
 # Every task model.task may name (config/model.py lists them as its choices); tasks/registry.py holds the Task of each.
 TASK_NAMES = (
@@ -83,6 +83,19 @@ def align(task: Task, batch):
     labels = batch["labels"]
     shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
     return {**batch, "labels": shifted}
+
+
+def units_in(task: Task, batch) -> int:
+    """What throughput counts in a batch, on the host from the CPU batch (no device read: step.py): its samples for a
+    task judged per sample (units "samples"), else its tokens that are not padding: the attention mask's sum where the
+    batch has one, else the labels that count (a tuple's targets). A label column is never counted as tokens."""
+    if task.units == "samples":
+        labels = batch["labels"] if isinstance(batch, Mapping) else batch[1]
+        return len(labels)
+    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    if mask is not None:
+        return int(mask.numpy().sum()) if mask.device.type == "cpu" else int(mask.sum())
+    return valid_on_host(batch["labels"] if isinstance(batch, Mapping) else batch[1])
 
 
 class Aligned:

@@ -44,7 +44,7 @@ from parallel_train.parallel.pipeline.cost import measure_units
 from parallel_train.parallel.pipeline.placement import V_SHAPED, forward_through, rank_of_stage, stages_of_rank, stages_per_rank
 from parallel_train.parallel.pipeline.split import describe_stages, plan_stages, stage_module
 from parallel_train.parallel.pipeline.tied import TiedAcrossStages
-from parallel_train.parallel.pipeline.timeline import Recorder, write_report
+from parallel_train.parallel.pipeline.timeline import Clock, Recorder, write_report
 from parallel_train.parallel.precision import Precision
 from parallel_train.parallel.sharding import clip_grad_norm, local_numel, parallelize, refuse_cut_ties
 from parallel_train.tasks.registry import task_of
@@ -158,9 +158,9 @@ class MultiProcessPipelineEngine:
         self.params = [q for group in self.optimizer.param_groups for q in group["params"]]
         self.local_numel = local_numel(self.local)
         self.model = None  # forward runs through the stage views of self.local (no one module to hook)
-        self.recorder = Recorder()
-        self.profile_every = 10 if self.device.type == "cuda" else 1
-        self._steps, self.profiling = 0, False
+        self.recorder, self.clock = Recorder(), Clock([self.device], host=time.time)  # wall clock: comparable across ranks
+        self.profile_every = (10 if self.device.type == "cuda" else 1) if cfg.parallel.timeline else 0  # 0: never
+        self._steps, self.profiling, self._stamps = 0, False, []
         self.is_first, self.is_last = 0 in self.stage_ids, (S * V - 1) in self.stage_ids
         self.loss_owner = self.is_last and self.tp_rank == 0
         self._scale, self._sums = torch.ones((), device=self.device), []  # this step's loss scale; its summed losses
@@ -198,28 +198,38 @@ class MultiProcessPipelineEngine:
         self._sums.append(s.detach())
         return self.precision.scale(s * self._scale)
 
-    # ---- timing
+    # ---- timing: one step in profile_every; on GPUs CUDA events around each chunk, read at the next timed step
     def _timed(self, fn, kind: str, stage_index: int):
         def wrapper(chunk_id, *args, **kwargs):
             if not self.profiling:
                 return fn(chunk_id, *args, **kwargs)
-            t0 = time.time()  # wall clock: comparable across processes (and NTP-synced nodes)
+            start = self.clock.now(self.device)
             result = fn(chunk_id, *args, **kwargs)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self.recorder.add(self.pp_rank, stage_index, chunk_id, kind, t0, time.time())
+            self._stamps.append((stage_index, chunk_id, kind, start, self.clock.now(self.device)))
             return result
 
         return wrapper
+
+    def _close_flush(self) -> None:
+        """The stamps of the last timed flush as spans in wall-clock seconds (its events are done by the next one)."""
+        stamps, self._stamps = self._stamps, []
+        if not stamps:
+            return
+        at = lambda stamp: self.clock.t0 + self.clock.seconds(stamp, self.device)  # noqa: E731
+        self.recorder.start_flush()
+        for stage, chunk, kind, start, end in stamps:
+            self.recorder.add(self.pp_rank, stage, chunk, kind, at(start), at(end))
+        self.recorder.end_flush()
 
     def forward_backward(self, micro, scale: torch.Tensor, precision: Precision) -> torch.Tensor:
         """All micro-steps in one schedule step (A x M micro-batches): one flush, one gradient reduction."""
         x, y, others = parts(concat(micro), self.device)
         refuse_other_inputs(others, f"the multi-process pipeline (parallel.pipeline_stages={self.S})", self.inputs)
-        self._scale, self._sums = scale.to(self.device), []
-        self.profiling = self._steps % self.profile_every == 0
+        self._scale, self._sums = scale, []  # on this device already (step.py)
+        self.profiling = bool(self.profile_every) and self._steps % self.profile_every == 0
         if self.profiling:
-            self.recorder.start_flush()
+            self._close_flush()
+            self.clock.start()  # on a GPU one wait for the device, on this timed step only
         args = (x,) if self.is_first else ()
         # The other inputs (a packed batch's positions, a padding mask) go to every stage, each cut into the same
         # micro-batches as the inputs: every pipeline rank reads the batch, and torch's schedules pass step()'s keyword
@@ -227,7 +237,6 @@ class MultiProcessPipelineEngine:
         kwargs = {"target": y, "losses": []} if self.is_last else {}
         with precision.autocast(self.autocast):
             self.schedule.step(*args, **kwargs, **others, return_outputs=False)  # the losses are all it needs
-        self.recorder.end_flush()
         self.profiling = False
         self._steps += 1
         # The last M x A calls are the micro-batches: the schedule's first step also calls the loss once on an
@@ -263,6 +272,7 @@ class MultiProcessPipelineEngine:
 
     def finish(self, out: Path) -> dict:
         """Gather replica 0's measured timelines to rank 0, draw them, report the bubble. A collective."""
+        self._close_flush()
         parts = [p for p in gather_to_rank0(self.recorder.steady() if self.leader else None) if p is not None]
         if self.rank != 0:
             return {}

@@ -15,7 +15,6 @@ Everything else is the data-parallel engine: Accelerate (device placement off), 
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -32,7 +31,7 @@ from parallel_train.parallel.parts import model_units
 from parallel_train.parallel.pipeline.cost import measure_units
 from parallel_train.parallel.pipeline.split import describe_stages, plan_stages
 from parallel_train.parallel.pipeline.tied import stages_holding
-from parallel_train.parallel.pipeline.timeline import Recorder, write_report
+from parallel_train.parallel.pipeline.timeline import Clock, Recorder, write_report
 from parallel_train.parallel.precision import Precision
 
 
@@ -78,36 +77,6 @@ def refuse_ties_across_devices(ties: dict[str, str], stages: list[list[str]], de
                 f"run on {', '.join(sorted(map(str, where)))}; put those stages on one device, or launch one process per "
                 "stage (no parallel.stage_devices), which keeps a tie across stages"
             )
-
-
-class Clock:
-    """Time stamps on a device: host time on CPU, CUDA events (read after a sync) on GPUs."""
-
-    def __init__(self, devices: list[torch.device]):
-        self.cuda = sorted({d for d in devices if d.type == "cuda"}, key=str)
-        self.base: dict[torch.device, object] = {}
-        self.t0 = 0.0
-
-    def start(self) -> None:
-        self.t0 = time.perf_counter()
-        for d in self.cuda:
-            torch.cuda.synchronize(d)
-            self.base[d] = torch.cuda.Event(enable_timing=True)
-            self.base[d].record(torch.cuda.current_stream(d))
-
-    def now(self, device: torch.device):
-        if device.type != "cuda":
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(device))
-        return event
-
-    def seconds(self, stamp, device: torch.device) -> float:
-        """Seconds since start(); call after the stamped work finished."""
-        if device.type != "cuda":
-            return stamp - self.t0
-        stamp.synchronize()
-        return self.base[device].elapsed_time(stamp) / 1e3
 
 
 class PipelineModule(nn.Module):
@@ -198,14 +167,14 @@ class PipelineModule(nn.Module):
         refuse_other_inputs(others, "the one-process pipeline (parallel.stage_devices)", self.inputs)
         training = self.training and torch.is_grad_enabled()
         if training:
-            self._close_flush()  # the previous flush's backward has run by now
-            self.profiling = self._flushes % self.profile_every == 0
+            self.profiling = bool(self.profile_every) and self._flushes % self.profile_every == 0  # 0: never
             self._flushes += 1
-            if self.profiling:
+            if self.profiling:  # the last timed flush is read now, not at the step after it: on GPUs no wait between
+                self._close_flush()
                 self.clock.start()
         else:
             self.profiling = False  # evaluation is not part of the schedule picture
-        x = x.to(self.devices[0])
+        x = x.to(self.devices[0], non_blocking=True)  # device to device (the batch came to the last stage's): no host wait
         chunks = torch.tensor_split(x, self.microbatches)
         split = {k: torch.tensor_split(v, self.microbatches) for k, v in others.items()}
         kwargs = [{k: v[mb] for k, v in split.items()} for mb in range(len(chunks))]
@@ -238,10 +207,10 @@ class InProcessPipelineEngine(DataParallelEngine):
         refuse_ties_across_devices(find_ties(model), stages, devices)
         self.base, self.stages, self.devices = model, stages, devices
         self.recorder = Recorder()
-        # On GPUs the host would wait for each timed flush; time one flush in ten there.
-        self.pipe = PipelineModule(
-            model, stages, devices, p.microbatches, self.recorder, profile_every=10 if any(d.type == "cuda" for d in devices) else 1
-        )
+        # On GPUs a timed flush waits for the devices once (the clock's anchor): time one flush in ten there, none
+        # without parallel.timeline.
+        every = (10 if any(d.type == "cuda" for d in devices) else 1) if p.timeline else 0
+        self.pipe = PipelineModule(model, stages, devices, p.microbatches, self.recorder, profile_every=every)
         if accelerator.num_processes > 1:
             # Accelerate refuses (or pins DDP to one GPU for) a model spread over devices unless told to
             # let it be; DDP then syncs the gradients of the multi-device module (device_ids=None).

@@ -16,8 +16,12 @@ M >= 2S. Real B and W are rarely equal, so the measured bubble is the number to 
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
+
+import torch
 
 Span = tuple[int, int, int, str, float, float]  # row, stage, micro-batch, "F" or "B", start s, end s
 
@@ -48,6 +52,39 @@ def bubble_fraction(spans: list[Span], n_rows: int) -> float | None:
         return None
     busy = sum(s[5] - s[4] for s in spans)
     return max(0.0, 1.0 - busy / (n_rows * (end - start)))
+
+
+class Clock:
+    """Time stamps on a device: host time on CPU; on GPUs CUDA events, read once the stamped work is done, so timing
+    a flush adds no wait between its chunks. `start` waits for the device once, to tie its events to the host's clock
+    (`host`: time.time to compare processes, perf_counter within one)."""
+
+    def __init__(self, devices: list[torch.device], host: Callable[[], float] = time.perf_counter):
+        self.cuda = sorted({d for d in devices if d.type == "cuda"}, key=str)
+        self.base: dict[torch.device, object] = {}
+        self.host, self.t0 = host, 0.0
+
+    def start(self) -> None:
+        for d in self.cuda:
+            torch.cuda.synchronize(d)
+        self.t0 = self.host()
+        for d in self.cuda:
+            self.base[d] = torch.cuda.Event(enable_timing=True)
+            self.base[d].record(torch.cuda.current_stream(d))
+
+    def now(self, device: torch.device):
+        if device.type != "cuda":
+            return self.host()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(device))
+        return event
+
+    def seconds(self, stamp, device: torch.device) -> float:
+        """Seconds since start(); call after the stamped work finished (an event not reached yet is waited for)."""
+        if device.type != "cuda":
+            return stamp - self.t0
+        stamp.synchronize()
+        return self.base[device].elapsed_time(stamp) / 1e3
 
 
 class Recorder:
