@@ -12,7 +12,6 @@ for every engine. What a checkpoint stores besides tensors is `self.state` (chec
 
 from __future__ import annotations
 
-import resource
 import time
 import warnings
 
@@ -22,14 +21,12 @@ from tqdm.auto import tqdm
 
 from parallel_train import faults
 from parallel_train.checkpoint import checkpointer
-from parallel_train.checkpoint.disk import write_atomic, write_error
-from parallel_train.checkpoint.export import checkpoint_weights, export, load_weights
+from parallel_train.checkpoint.disk import write_atomic
 from parallel_train.checkpoint.json_text import json_text
 from parallel_train.checkpoint.named_state import torch_optimizer
 from parallel_train.checkpoint.train_state import TrainingState
 from parallel_train.config.sections import Config
 from parallel_train.data.batch import check_model_takes, rows
-from parallel_train.data.sources import load_data
 from parallel_train.data.streaming import gather_positions, position_for
 from parallel_train.data.text import train_loader, val_loader
 from parallel_train.data.tokenizers import load_saved
@@ -39,23 +36,33 @@ from parallel_train.evaluation import evaluate
 from parallel_train.guards import RunGuard, stop_message
 from parallel_train.models import MODELS
 from parallel_train.models.hf_lora import check_same_base
-from parallel_train.observe.messages import train_line
-from parallel_train.observe.perf import Throughput, configure_backends, mfu, peak_flops, process_age_s, sync_checked, sync_debug_mode
+from parallel_train.observe.messages import engine_lines, train_line
+from parallel_train.observe.perf import (
+    Throughput,
+    TimedIterator,
+    configure_backends,
+    mfu,
+    peak_flops,
+    peak_memory_mb,
+    process_age_s,
+    sync_checked,
+    sync_debug_mode,
+)
 from parallel_train.observe.plots import PICTURE, plot_runs
+from parallel_train.observe.summary import run_summary
 from parallel_train.observe.tracking import MetricsLog, finish_trackers, init_trackers, prepare_tracker_env
 from parallel_train.optim import build_optimizer, build_scheduler
 from parallel_train.parallel.accelerator import deepspeed_runs, make_accelerator, requested_precision
 from parallel_train.parallel.build import build_engine, describe, shards_parameters, splits_the_model
 from parallel_train.parallel.model_init import Whole, start_model
 from parallel_train.parallel.precision import make_precision
-from parallel_train.run.export_dir import write_folders
-from parallel_train.run.finished import meet_finished_run, summary_config
-from parallel_train.run.output_dir import check_output_dir, lock_output_dir
+from parallel_train.run.final_weights import write_final_weights
+from parallel_train.run.finished import meet_finished_run
+from parallel_train.run.output_dir import check_output_dir, lock_output_dir, write_run_files
 from parallel_train.run.resume import choose_checkpoint
 from parallel_train.run.resume_config import SCHEDULE, apply_schedule, change_notice, check_same_files, config_changes
 from parallel_train.step import Stepper, StepResult
-from parallel_train.tasks.label_names import names_file
-from parallel_train.tasks.registry import task_of
+from parallel_train.tasks.registry import load_task_data, task_of
 from parallel_train.tasks.task import Aligned, units_in
 
 
@@ -63,31 +70,6 @@ def say(message: str) -> None:
     """One line from the first process (before the Accelerator exists too)."""
     if is_first_process():
         tqdm.write(message)
-
-
-class TimedIterator:
-    """Wraps the batch iterator and adds up the time spent waiting for data."""
-
-    def __init__(self, iterator):
-        self.iterator, self.seconds = iterator, 0.0
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        t = time.perf_counter()
-        item = next(self.iterator)
-        self.seconds += time.perf_counter() - t
-        return item
-
-
-def peak_memory_mb(device: torch.device) -> dict[str, float]:
-    if device.type == "cuda":
-        return {
-            "peak_memory_mb": torch.cuda.max_memory_allocated(device) / 2**20,
-            "peak_memory_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20,
-        }
-    return {"peak_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # host RSS (KiB on Linux)
 
 
 def fmt(value: float | None) -> str:
@@ -147,12 +129,8 @@ class Trainer:
         cfg, rank = self.cfg, self.accelerator.process_index
         # The tokenizer of a resumed run is reused, so token ids cannot shift.
         self.task = task_of(cfg)  # tasks/: what the labels mean, where the data comes from, what validation reports
-        saved = load_saved(self.resume_from) if self.resume_from else None
-        # The task reads its own columns from data.path (tasks/); a data.source of your own gives the batches instead.
-        own = self.task.load is not None and cfg.data.source == "text"
-        self.data = self.task.load(cfg, saved) if own else load_data(cfg, saved)
+        self.data = load_task_data(cfg, self.task, load_saved(self.resume_from) if self.resume_from else None)
         self.labels = self.data.label_names if self.task.has_labels else None  # the head's size and the export's id2label
-        self.data.files = {**self.data.files, **names_file(self.labels)}  # kept with the run, checked on resume
         if self.resume_from is not None:
             check_same_files(self.resume_from, self.data.files)
         if self.data.description:
@@ -187,15 +165,8 @@ class Trainer:
         # A causal LM's dict labels are shifted once here (tasks/task.py); every other batch passes as it is.
         self.val_batches = Aligned(self.task, val_loader(self.data, cfg, self.engine.dp_size))
         self.global_batch = cfg.train.batch_size * self.engine.dp_size * cfg.train.gradient_accumulation_steps
-        say(
-            f"[parallel_train] engine: {self.engine.name} | global batch {cfg.train.batch_size} x {self.engine.dp_size} data-parallel "
-            f"ranks x {cfg.train.gradient_accumulation_steps} accumulation = {self.global_batch} samples per optimizer step"
-        )
-        if self.engine.compiled:
-            say(f"[parallel_train] compiled: {self.engine.compiled}")
-        trainable, total = self.params["trainable_params"], self.params["total_params"]
-        if trainable < total:  # LoRA: the optimizer holds the adapters only
-            say(f"[parallel_train] trainable: {trainable:,} of {total:,} parameters ({100 * trainable / total:.2f}%); the rest frozen")
+        for line in engine_lines(self.engine, cfg.train, self.global_batch, self.params):
+            say(line)
         torch.manual_seed(cfg.train.seed + 1 + rank)  # per-rank dropout masks
 
     def _resume_or_start(self) -> None:
@@ -236,16 +207,7 @@ class Trainer:
         self.metrics = MetricsLog(self.out / "metrics.jsonl", accelerator, cfg.tracker)
         self.metrics.truncate_after(self.start_step, say)  # first: a metrics.jsonl it cannot read stops the run before any write
         if accelerator.is_main_process:
-            write_atomic(self.out / "config.yaml", self.config_yaml)  # what runs, LR changed on resume included
-            try:
-                if self.data.vocab is not None:
-                    self.data.vocab.save(self.out)  # vocab.json or tokenizer.json, each written whole
-                for name, text in self.data.files.items():  # a chat template, class names
-                    write_atomic(self.out / name, text)
-            except OSError as e:
-                raise write_error(
-                    self.out / next(iter(self.tokenizer_files), "vocab.json"), e, sum(map(len, self.tokenizer_files.values()))
-                ) from None
+            write_run_files(self.out, self.config_yaml, self.data.vocab, self.data.files)
         init_trackers(accelerator, cfg.tracker, cfg.to_dict(), self.out, self.state.run_id)
         position, notice = position_for(self.state.data_position, self.engine.dp_size, self.engine.dp_rank)
         if notice:  # a stream saved by another number of data-parallel ranks
@@ -414,64 +376,18 @@ class Trainer:
         if not self.accelerator.is_main_process:
             return
         final = self.ckpt_root / checkpointer.checkpoint_name(cfg.train.max_steps)
-        source = final if final.is_dir() else self.resume_from
-        try:
-            export(source, out)  # model.safetensors, one whole tensor at a time
-        except OSError as e:  # a full disk: export() writes model.safetensors.tmp, then renames it
-            (out / "model.safetensors.tmp").unlink(missing_ok=True)
-            raise write_error(out / "model.safetensors", e, sum(w.nbytes for w in checkpoint_weights(source).values())) from None
         own_format = getattr(MODELS[cfg.model.name], "export", None)  # a model from elsewhere saves its own format too
-        if own_format is not None:  # from the whole model just written (save_pretrained takes it in memory)
-            weights = load_weights(out)  # written whole beside the old hf/ (and adapter/), then in their place
-            written = write_folders(
-                out / "hf",
-                lambda folder: own_format(
-                    cfg.model,
-                    weights,
-                    folder,
-                    self.data.vocab,
-                    chat_files=self.data.files,
-                    **({"label_names": self.labels} if self.labels else {}),
-                ),
-                hint="free space (or fix the disk), then relaunch: the run writes hf/ again from its last checkpoint",
-            )
+        written = write_final_weights(final if final.is_dir() else self.resume_from, out, cfg.model, own_format, self.data, self.labels)
+        if written:
             say(f"[parallel_train] {written}")
         self.settle()
-        summary = {**self.summary(), **engine_summary}
+        summary = {**run_summary(self), **engine_summary}
         write_atomic(out / "summary.json", json_text(summary, indent=1))
         say(f"[parallel_train] loss curves: {plot_runs([out], out / PICTURE)}")
         say(
             f"[parallel_train] done: {cfg.train.max_steps} steps, val loss {fmt(self.state.final_val_loss)}, "
             f"{summary['wall_time_s']:.1f} s; outputs in {out}"
         )
-
-    def summary(self) -> dict:
-        """summary.json's fields (the engine adds its own)."""
-        accelerator, state, rate = self.accelerator, self.state, self.speed.steady_rate
-        return {
-            "steps": self.cfg.train.max_steps,
-            "final_train_loss": state.final_train_loss,
-            "final_val_loss": state.final_val_loss,
-            "best_val_loss": state.best_val_loss,
-            "final_val_metrics": state.final_val_metrics,
-            "world_size": accelerator.num_processes,
-            **self.params,  # trainable_params, total_params: with LoRA the adapters against the whole model
-            "distributed_type": accelerator.distributed_type.value,
-            "mixed_precision": self.precision.name,
-            "skipped_by_scaler_steps": self.stepper.skipped_by_scaler,
-            "skipped_empty_steps": self.stepper.skipped_empty,  # no token to learn on any rank (step.py)
-            f"{self.task.units}_per_sec": rate,  # tokens_per_sec (not padding) or samples_per_sec (tasks/task.py)
-            "mfu": mfu(self.flops_per_token, rate, self.peak, accelerator.num_processes) if rate else None,
-            "wall_time_s": time.perf_counter() - self.t_start,
-            "time_to_first_step_s": self.first_step_s,
-            "resumed_from": str(self.resume_from) if self.resume_from else None,
-            "config": summary_config(self.cfg),  # what a later launch into this folder compares itself with (run/finished.py)
-            "checkpoint_blocking_s": self.saver.blocking_s,  # the loop's time in checkpoint saves (checkpoint.async: the copy)
-            "checkpoint_drain_s": self.saver.drain_s,  # the wait for the last background write, after the loop
-            **peak_memory_mb(self.device),
-            **{f"{k}_after_start": v for k, v in self.start_memory.items()},
-            **{f"{k}_at_first_step": v for k, v in getattr(self, "first_step_memory", {}).items()},
-        }
 
     def close(self, finished_cleanly: bool) -> None:
         """The one way out. After an error the process group may be broken (a peer died): tearing it down could

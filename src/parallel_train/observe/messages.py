@@ -14,6 +14,21 @@ import warnings
 from typing import Any
 
 
+def engine_lines(engine: Any, train: Any, global_batch: int, params: dict[str, int]) -> list[str]:
+    """The start banner's lines about the engine: what the processes do, the global batch, what is compiled, and with
+    LoRA what trains."""
+    lines = [
+        f"[parallel_train] engine: {engine.name} | global batch {train.batch_size} x {engine.dp_size} data-parallel ranks x "
+        f"{train.gradient_accumulation_steps} accumulation = {global_batch} samples per optimizer step"
+    ]
+    if engine.compiled:
+        lines.append(f"[parallel_train] compiled: {engine.compiled}")
+    trainable, total = params["trainable_params"], params["total_params"]
+    if trainable < total:  # LoRA: the optimizer holds the adapters only
+        lines.append(f"[parallel_train] trainable: {trainable:,} of {total:,} parameters ({100 * trainable / total:.2f}%); the rest frozen")
+    return lines
+
+
 def train_line(record: dict[str, Any], max_steps: int) -> str:
     """`step 10/2000 | loss 2.3456 | lr 1.00e-03 | 12,345 tok/s | 70.1 ms/step | data 2% [| mfu 31.0%]` (samples/s for a
     task judged per sample)."""

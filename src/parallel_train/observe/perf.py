@@ -1,11 +1,12 @@
-"""Speed settings, the peak FLOP/s of known accelerators (for model FLOPs utilisation, MFU), and the throughput meter
-(tokens/s or samples/s)."""
+"""Speed settings, the peak FLOP/s of known accelerators (for model FLOPs utilisation, MFU), the throughput meter
+(tokens/s or samples/s), the data wait and the peak memory."""
 
 from __future__ import annotations
 
 import ctypes
 import os
 import platform
+import resource
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -182,3 +183,29 @@ class Throughput:
     @property
     def steady_rate(self) -> float | None:
         return self.steady_units / self.steady_time if self.steady_time else None
+
+
+class TimedIterator:
+    """Wraps the batch iterator and adds up the time spent waiting for data."""
+
+    def __init__(self, iterator):
+        self.iterator, self.seconds = iterator, 0.0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        t = time.perf_counter()
+        item = next(self.iterator)
+        self.seconds += time.perf_counter() - t
+        return item
+
+
+def peak_memory_mb(device: torch.device) -> dict[str, float]:
+    """This process's peak memory so far: the device's allocated and reserved bytes on a GPU, the host's RSS on a CPU."""
+    if device.type == "cuda":
+        return {
+            "peak_memory_mb": torch.cuda.max_memory_allocated(device) / 2**20,
+            "peak_memory_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20,
+        }
+    return {"peak_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # host RSS (KiB on Linux)

@@ -25,6 +25,7 @@ import socket
 import time
 from pathlib import Path
 
+from parallel_train.checkpoint.disk import write_atomic, write_error
 from parallel_train.checkpoint.json_text import json_text
 from parallel_train.config.sections import Config
 from parallel_train.errors import UserError
@@ -138,3 +139,18 @@ def lock_output_dir(out: Path, main: bool, notice) -> RunLock:
     if why:
         notice(f"warning: output_dir {out} cannot be locked ({why[13:]}): nothing stops a second run from writing there")
     return lock
+
+
+def write_run_files(out: Path, config_yaml: str, vocab, files: dict[str, str]) -> None:
+    """What a run keeps beside its checkpoints from the start (main process only): config.yaml (what runs, a learning
+    rate changed on resume included), the tokenizer (vocab.json or tokenizer.json) and its companions (Data.files: a
+    chat template, class names), each written whole."""
+    write_atomic(out / "config.yaml", config_yaml)
+    tokenizer_files = {**(vocab.files() if vocab is not None else {}), **files}
+    try:
+        if vocab is not None:
+            vocab.save(out)
+        for name, text in files.items():
+            write_atomic(out / name, text)
+    except OSError as e:
+        raise write_error(out / next(iter(tokenizer_files), "vocab.json"), e, sum(map(len, tokenizer_files.values()))) from None

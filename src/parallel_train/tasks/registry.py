@@ -4,6 +4,8 @@ one line below."""
 
 from __future__ import annotations
 
+from parallel_train.data.sources import load_data
+from parallel_train.data.text import Data
 from parallel_train.tasks import (
     causal_lm,
     image_classification,
@@ -12,6 +14,7 @@ from parallel_train.tasks import (
     sequence_classification,
     token_classification,
 )
+from parallel_train.tasks.label_names import names_file
 from parallel_train.tasks.task import Task
 
 TASKS: dict[str, Task] = {
@@ -22,3 +25,13 @@ TASKS: dict[str, Task] = {
 def task_of(cfg) -> Task:
     """The run's task (model.task)."""
     return TASKS[cfg.model.task]
+
+
+def load_task_data(cfg, task: Task, saved) -> Data:
+    """The run's data: the task reads its own columns from data.path (tasks/), unless a data.source of your own gives
+    the batches (data/sources.py). A task with labels keeps their names with the run (label_names.json in output_dir
+    and every checkpoint, checked on resume). `saved`: the resumed run's tokenizer, so token ids cannot shift."""
+    own = task.load is not None and cfg.data.source == "text"
+    data = task.load(cfg, saved) if own else load_data(cfg, saved)
+    data.files = {**data.files, **names_file(data.label_names if task.has_labels else None)}
+    return data

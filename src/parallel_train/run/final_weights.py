@@ -1,0 +1,35 @@
+"""The weights a finished run leaves in output_dir: `model.safetensors` (the whole model under canonical names, one
+tensor at a time, from the last checkpoint), and for a model from elsewhere its own format too (`hf/`, a
+save_pretrained folder, written whole beside the old one and then put in its place: run/export_dir.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from parallel_train.checkpoint.disk import write_error
+from parallel_train.checkpoint.export import checkpoint_weights, export, load_weights
+from parallel_train.run.export_dir import write_folders
+
+
+def write_final_weights(
+    source: Path, out: Path, model_cfg: Any, own_format: Callable | None, data: Any, labels: list[str] | None
+) -> str | None:
+    """model.safetensors from checkpoint `source`, then the model's own format (`own_format`: its class's `export`,
+    None for the template's own models) in out/hf. Returns the line saying what the own format wrote, or None."""
+    try:
+        export(source, out)  # model.safetensors, one whole tensor at a time
+    except OSError as e:  # a full disk: export() writes model.safetensors.tmp, then renames it
+        (out / "model.safetensors.tmp").unlink(missing_ok=True)
+        raise write_error(out / "model.safetensors", e, sum(w.nbytes for w in checkpoint_weights(source).values())) from None
+    if own_format is None:
+        return None
+    weights = load_weights(out)  # the whole model just written: save_pretrained takes it in memory
+    return write_folders(
+        out / "hf",
+        lambda folder: own_format(
+            model_cfg, weights, folder, data.vocab, chat_files=data.files, **({"label_names": labels} if labels else {})
+        ),
+        hint="free space (or fix the disk), then relaunch: the run writes hf/ again from its last checkpoint",
+    )
