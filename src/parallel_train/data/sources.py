@@ -24,7 +24,7 @@ from parallel_train.data.sft import load_samples
 from parallel_train.data.streaming import load_stream
 from parallel_train.data.text import Data, build_datasets
 from parallel_train.data.tokenizers import check_spec
-from parallel_train.tasks.registry import task_of
+from parallel_train.tasks.task import DEFAULT
 
 DATA_SOURCES: dict[str, Callable[[Config, Any], Data]] = {
     "text": build_datasets,
@@ -38,7 +38,7 @@ def check_source(cfg: Config) -> None:
     check(
         cfg.data.source in DATA_SOURCES, f"data.source: unknown data source {cfg.data.source!r}; known: {', '.join(sorted(DATA_SOURCES))}"
     )
-    if cfg.data.source == "text" and task_of(cfg).load is None:  # a task that reads its own data (tasks/) says what it gives
+    if cfg.data.source == "text" and cfg.model.task == DEFAULT:  # the other tasks read their own data (tasks/)
         check_inputs(cfg, "feature vectors" if cfg.data.path == "random" else "token ids")
 
 
