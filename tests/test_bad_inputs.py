@@ -111,6 +111,7 @@ def env(tmp_path_factory):
     (f / "content_only.jinja").write_text(hf_tiny.CHAT_TEMPLATE_MARKED.replace(marked, content_only))
     if IMAGES_SERVED:
         image_files(f)
+    text_task_files(f)
     return {"tmp": tmp, "run": run_dir, "files": f}
 
 
@@ -131,6 +132,24 @@ def image_files(f: Path) -> None:
     ViTImageProcessor(size=16).save_pretrained(f / "vit")
 
 
+def text_task_files(f: Path) -> None:
+    """The text tasks (issue 27): a masked-LM BERT with a WordPiece tokenizer, a seq2seq folder without
+    decoder_start_token_id, a BPE without a mask token, and rows with one thing wrong each."""
+    hf_tiny.save_task_model(hf_tiny.bert_config(), "AutoModelForMaskedLM", f / "bert")
+    hf_tiny.bert_tokenizer(vocab_size=hf_tiny.VOCAB).save(str(f / "bert" / "tokenizer.json"))
+    (f / "no_start").mkdir()
+    shutil.copy(f / "bert" / "tokenizer.json", f / "no_start" / "tokenizer.json")
+    (f / "no_start" / "config.json").write_text(json.dumps({"pad_token_id": 0}))
+    hf_tiny.train_tokenizer().backend_tokenizer.save(str(f / "bpe.json"))
+    rows = lambda path, rows: path.write_text("".join(json.dumps(r) + "\n" for r in rows))  # noqa: E731
+    rows(f / "scores.jsonl", [{"text": "hear me speak", "score": i % 2} for i in range(8)])
+    (f / "glue").mkdir()
+    rows(f / "glue" / "train.jsonl", [{"sentence": "hear me", "label": ["no", "yes"][i % 2]} for i in range(8)])
+    rows(f / "glue" / "validation.jsonl", [{"sentence": "speak all", "label": "maybe"}])
+    rows(f / "lines.jsonl", [{"text": "first citizen before we proceed"}] * 8)
+    rows(f / "pairs.jsonl", [{"source": "hear me", "target": "speak all"}] * 8)
+
+
 # model.name=hf on chat rows, in an output_dir of its own (the GPT run's tokenizer is not this model's)
 CHAT = ["model.name=hf", "model.hf_path={files}/chat_llama", "model.block_size=128", "data.format=chat", "output_dir={files}/chat_out"]
 
@@ -139,6 +158,9 @@ PLAIN_HF = ["model.name=hf", "model.hf_path={files}/plain_llama", "model.hf_pret
 
 # model.name=hf on an imagefolder, a new output_dir (model.task=image-classification, tasks/image_folder.py)
 IMAGES = ["model.name=hf", "model.hf_path={files}/vit", "model.task=image-classification", "resume=none", "output_dir={files}/image_out"]
+
+# model.name=hf on the text tasks' rows, a new output_dir (tasks/*.py: each task's reader)
+TEXT = ["model.name=hf", "model.hf_path={files}/bert", "resume=none", "output_dir={files}/text_out"]
 
 # (id, arguments; {run} {files} are filled in, what the error line must contain[, environment of the case])
 CASES = [
@@ -292,6 +314,30 @@ CASES = [
         "packing_model_without_positions",
         ["model.name=mlp", "data.format=instruction", "data.packing=true"],
         "data.packing: model.name=mlp does not take a packed batch's positions",
+    ),
+]
+
+# The text tasks through train.py (tests/test_task_data.py holds every one of their lines in process).
+CASES += [
+    (
+        "text_task_columns_missing",
+        [*TEXT, "model.task=sequence-classification", "data.path={files}/scores.jsonl"],
+        "scores.jsonl has the columns text, score, none of model.task=sequence-classification's layouts",
+    ),
+    (
+        "text_task_label_only_in_validation",
+        [*TEXT, "model.task=sequence-classification", "data.path={files}/glue"],
+        "has the label 'maybe', which no train row has (train labels: no, yes)",
+    ),
+    (
+        "masked_lm_tokenizer_without_mask",
+        [*TEXT, "model.task=masked-lm", "data.path={files}/lines.jsonl", "data.tokenizer={files}/bpe.json"],
+        "has no mask token",
+    ),
+    (
+        "seq2seq_without_decoder_start",
+        [*TEXT, "model.task=seq2seq", "model.hf_path={files}/no_start", "data.path={files}/pairs.jsonl"],
+        "config.json has no decoder_start_token_id",
     ),
 ]
 
