@@ -9,12 +9,13 @@ Activations: one forward of a micro-batch under FakeTensorMode (shapes only, any
 (the whole model on the mesh; stage by stage in a pipeline), counting what is still alive when the loss is computed
 (parallel/activation_memory.py), by part of the model: what the run's own activation checkpointing keeps (none, full,
 selective op or every N-th block), in the engine's precision (FSDP2's bf16 policy: bf16 activations; autocast
-elsewhere: an fp32 residual stream beside bf16 copies). A second forward without checkpointing gives what backward
-recomputes, one checkpointed block at a time, and the "checkpointed" figure (model.activation_checkpointing=full:
-each block keeps its input).
+elsewhere: an fp32 residual stream beside bf16 copies). A forward without checkpointing gives what backward
+recomputes, one checkpointed block at a time, and a forward with model.activation_checkpointing=full the
+"checkpointed" column: each mode measured once, and one formula turns each into its figure, so a run whose own mode
+is full gets the same number in both.
 
 What the figures assume, stated: fp32 parameters, gradients and optimizer state (AdamW: two moments per parameter,
-SGD none); FSDP2 gathers copies in its policy's dtype: two blocks at a time (one computing, one prefetched) plus the
+SGD none), gradients and state only for the parameters that train (LoRA: the adapters); FSDP2 gathers copies in its policy's dtype: two blocks at a time (one computing, one prefetched) plus the
 root's own parameters (embeddings, head). In a pipeline, torch's PipelineStage keeps an FSDP2 stage unsharded from
 its first backward to the last (whole parameters, and whole fp32 gradients accumulating), and holds the micro-batches
 its schedule has in flight: torch's own order of actions, walked (pipeline/in_flight.py). The peak is the larger
@@ -127,8 +128,9 @@ def _precision(cfg: Config, layout: MeshLayout):
     return None, dtype
 
 
-def _held(cfg: Config, layout: MeshLayout, vocab_size: int, mesh) -> tuple[list[list[str]], list[tuple[list[int], int, int]]]:
-    """The stages (their parts' names) and per pipeline rank: (its stages, parameter elements it holds, elements FSDP2 gathers whole at once: two blocks
+def _held(cfg: Config, layout: MeshLayout, vocab_size: int, mesh) -> tuple[list[list[str]], list[tuple[list[int], int, int, int]]]:
+    """The stages (their parts' names) and per pipeline rank: (its stages, parameter elements it holds, those of them
+    that train (LoRA: the adapters only), elements FSDP2 gathers whole at once: two blocks
     (one computing, one prefetched) and the root's own parameters (embeddings, final norm, head), which its group
     gathers for the forward and again from the start of backward to its end)."""
     with torch.device("meta"):
@@ -146,7 +148,7 @@ def _held(cfg: Config, layout: MeshLayout, vocab_size: int, mesh) -> tuple[list[
         held = sum(local_numel(v) for v in views)
         blocks = [local_numel(u) for u in units]
         gathered = (2 * max(blocks, default=0) + held - sum(blocks)) * layout.dp_shard if layout.dp_shard > 1 else 0
-        out.append((ids, held, gathered))
+        out.append((ids, held, sum(local_numel(v, trainable=True) for v in views), gathered))
     return plan, out
 
 
@@ -182,33 +184,32 @@ def _activations(cfg: Config, layout: MeshLayout, vocab_size: int, mesh, sample,
         return kept_per_part(model.train(), forward, x, y, autocast, loss_context(logits_cut), blocks)
 
 
-def _no_checkpointing(model_cfg):
-    """The model's keys without activation checkpointing, or None when it has none to turn off."""
-    mode = getattr(model_cfg, "activation_checkpointing", "none")
-    return None if mode == "none" else dataclasses.replace(model_cfg, activation_checkpointing="none")
+def _with_checkpointing(model_cfg, mode: str):
+    """The model's keys with model.activation_checkpointing=`mode`; None when the model has no such key (it then runs
+    without: only "none" is measured)."""
+    if not hasattr(model_cfg, "activation_checkpointing"):
+        return model_cfg if mode == "none" else None
+    return dataclasses.replace(model_cfg, activation_checkpointing=mode)
 
 
-def _rank_activations(cfg: Config, layout: MeshLayout, r: int, ids: list[int], plan, run: PartBytes, plain: PartBytes) -> tuple[int, int]:
-    """(activation bytes at this pipeline rank's peak as the run keeps them, the same with full checkpointing).
-    Micro-batches in flight as the schedule holds them (pipeline/in_flight.py), plus backward's recomputation of one
-    checkpointed block at a time (what it keeps without checkpointing, less what it kept)."""
+def _rank_activations(cfg: Config, layout: MeshLayout, r: int, ids: list[int], plan, kept: PartBytes, plain: PartBytes) -> int:
+    """Activation bytes at this pipeline rank's peak, as a forward that kept `kept` leaves them: the micro-batches in
+    flight as the schedule holds them (pipeline/in_flight.py), plus backward's recomputation of one checkpointed
+    block at a time (what the block keeps without checkpointing, `plain`, less what it kept). One formula for the run's
+    own mode and for the full-checkpointing column, each from its own measured forward."""
     p = cfg.parallel
     last = len(plan) - 1
 
     def parts(i: int) -> list[str]:
         return plan[i] + (["loss"] if i == last else [])
 
-    def peak(per_part: dict[str, int]) -> int:
-        stage_bytes = {i: sum(per_part.get(n, 0) for n in parts(i)) for i in ids}
-        if layout.pp == 1:
-            return stage_bytes[0]
-        return in_flight_bytes(p.schedule, layout.pp, stages_per_rank(p.schedule, p.stages_per_rank), p.microbatches, r, stage_bytes)
-
-    mine = [n for i in ids for n in parts(i)]
-    blocks = [n for n in mine if n in plain.blocks]
-    recompute = max((plain.kept.get(n, 0) - run.kept.get(n, 0) for n in blocks), default=0)
-    full = {n: (plain.inputs.get(n, 0) if n in blocks else plain.kept.get(n, 0)) for n in mine}
-    return peak(run.kept) + max(0, recompute), peak(full) + max((plain.kept.get(n, 0) for n in blocks), default=0)
+    stage_bytes = {i: sum(kept.kept.get(n, 0) for n in parts(i)) for i in ids}
+    if layout.pp == 1:
+        held = stage_bytes[0]
+    else:
+        held = in_flight_bytes(p.schedule, layout.pp, stages_per_rank(p.schedule, p.stages_per_rank), p.microbatches, r, stage_bytes)
+    blocks = [n for i in ids for n in parts(i) if n in plain.blocks]
+    return held + max(0, max((plain.kept.get(n, 0) - kept.kept.get(n, 0) for n in blocks), default=0))
 
 
 def estimate(cfg: Config, world: int, vocab_size: int, sample: tuple[torch.Tensor, torch.Tensor]) -> tuple[MeshLayout, list[RankMemory]]:
@@ -218,22 +219,26 @@ def estimate(cfg: Config, world: int, vocab_size: int, sample: tuple[torch.Tenso
     with fake_world(world):
         mesh = build_device_mesh(layout, "cpu")
         plan, held = _held(cfg, layout, vocab_size, mesh)
-        run = _activations(cfg, layout, vocab_size, mesh, sample, cfg.model)
-        plain_cfg = _no_checkpointing(cfg.model)
-        plain = run if plain_cfg is None else _activations(cfg, layout, vocab_size, mesh, sample, plain_cfg)
+        own = getattr(cfg.model, "activation_checkpointing", "none")
+        measured: dict[str, PartBytes] = {}  # checkpointing mode -> what its forward keeps: the run's, none and full
+        for mode in dict.fromkeys((own, "none", "full")):
+            if (mode_cfg := _with_checkpointing(cfg.model, mode)) is not None:
+                measured[mode] = _activations(cfg, layout, vocab_size, mesh, sample, mode_cfg)
+    run, plain = measured[own], measured["none"]
     policy, _ = _precision(cfg, layout)
     param_bytes = 2 if policy is not None else 4  # FSDP2 gathers (and computes with) bf16/fp16 copies under its policy
     optimizer_states = 2 if cfg.train.optimizer == "adamw" else 0
     ranks = []
-    for r, (ids, numel, gathered) in enumerate(held):
-        acts, ckpt = _rank_activations(cfg, layout, r, ids, plan, run, plain)
+    for r, (ids, numel, trainable, gathered) in enumerate(held):
+        acts = _rank_activations(cfg, layout, r, ids, plan, run, plain)
+        ckpt = _rank_activations(cfg, layout, r, ids, plan, measured["full"], plain) if "full" in measured else None
         mine = [n for i in ids for n in plan[i]] + (["loss"] if len(plan) - 1 in ids else [])
-        grads, buffers = 4 * numel, gathered * param_bytes
+        grads, buffers = 4 * trainable, gathered * param_bytes  # frozen weights (LoRA's base) have neither gradients nor state
         if layout.pp > 1 and _fsdp(layout):
             # torch's PipelineStage keeps an FSDP2 stage unsharded between micro-batches (set_reshard_after_backward(False),
             # no gradient sync until the last one): its whole parameters in the policy's dtype, and its whole gradients
             # accumulated in fp32 until the reduce-scatter after the last backward.
-            grads, buffers = 4 * numel * layout.dp_shard, param_bytes * numel * layout.dp_shard
+            grads, buffers = 4 * trainable * layout.dp_shard, param_bytes * numel * layout.dp_shard
         ranks.append(
             RankMemory(
                 r,
@@ -241,7 +246,7 @@ def estimate(cfg: Config, world: int, vocab_size: int, sample: tuple[torch.Tenso
                 numel,
                 4 * numel,
                 grads,
-                4 * optimizer_states * numel,
+                4 * optimizer_states * trainable,
                 buffers,
                 2 * max((plain.largest.get(n, 0) for n in mine), default=0),  # backward reruns a checkpointed block whole
                 acts,
