@@ -17,7 +17,8 @@ is full gets the same number in both.
 What the figures assume, stated: fp32 parameters, gradients and optimizer state (AdamW: two moments per parameter,
 SGD none), gradients and state only for the parameters that train (LoRA: the adapters); FSDP2 gathers copies in its policy's dtype: two blocks at a time (one computing, one prefetched) plus the
 root's own parameters (embeddings, head). In a pipeline, torch's PipelineStage keeps an FSDP2 stage unsharded from
-its first backward to the last (whole parameters, and whole fp32 gradients accumulating), and holds the micro-batches
+its first backward to the last (whole parameters, and whole fp32 gradients accumulating), keeps a receive buffer per
+micro-batch for each stage's input and its output's gradient, and holds the micro-batches
 its schedule has in flight: torch's own order of actions, walked (pipeline/in_flight.py). The peak is the larger
 of the start of backward (activations and scratch, no gradients: each step sets them to None) and its end (all
 gradients), or both together when gradients accumulate over micro-steps or pipeline micro-batches. Backward needs
@@ -78,13 +79,14 @@ class RankMemory:
     activations_ckpt: int | None  # with model.activation_checkpointing=full instead
     accumulating: bool = False  # gradient accumulation: the gradients outlive a micro-step, beside its activations
     breakdown: dict[str, int] = field(default_factory=dict)  # activation bytes per part of the model, per micro-batch
+    stage_buffers: int = 0  # a pipeline stage's receive buffers: one per micro-batch, kept from step to step
 
     def total(self, checkpointing: bool = False) -> int:
         """The peak (`checkpointing`: with model.activation_checkpointing=full instead of the run's mode): at the start of backward (activations and scratch, no gradients yet: the optimizer step
         sets them to None) or at its end (all gradients), whichever is larger; both at once when accumulating."""
         act = self.activations_ckpt if checkpointing and self.activations_ckpt is not None else self.activations
         backward = self.grads + act + self.working if self.accumulating else max(act + self.working, self.grads)
-        return self.params + self.optimizer + self.fsdp_buffers + backward
+        return self.params + self.optimizer + self.fsdp_buffers + self.stage_buffers + backward
 
 
 @contextlib.contextmanager
@@ -192,11 +194,13 @@ def _with_checkpointing(model_cfg, mode: str):
     return dataclasses.replace(model_cfg, activation_checkpointing=mode)
 
 
-def _rank_activations(cfg: Config, layout: MeshLayout, r: int, ids: list[int], plan, kept: PartBytes, plain: PartBytes) -> int:
+def _rank_activations(cfg: Config, layout: MeshLayout, r: int, ids: list[int], plan, kept: PartBytes, plain: PartBytes, grads: int) -> int:
     """Activation bytes at this pipeline rank's peak, as a forward that kept `kept` leaves them: the micro-batches in
     flight as the schedule holds them (pipeline/in_flight.py), plus backward's recomputation of one checkpointed
     block at a time (what the block keeps without checkpointing, `plain`, less what it kept). One formula for the run's
-    own mode and for the full-checkpointing column, each from its own measured forward."""
+    own mode and for the full-checkpointing column, each from its own measured forward. In a pipeline the figure is
+    what stands beside the rank's `grads` at its peak (RankMemory.total adds them): before its first backward the
+    gradients do not exist, so GPipe's peak may be all micro-batches without them."""
     p = cfg.parallel
     last = len(plan) - 1
 
@@ -207,9 +211,20 @@ def _rank_activations(cfg: Config, layout: MeshLayout, r: int, ids: list[int], p
     if layout.pp == 1:
         held = stage_bytes[0]
     else:
-        held = in_flight_bytes(p.schedule, layout.pp, stages_per_rank(p.schedule, p.stages_per_rank), p.microbatches, r, stage_bytes)
+        V = stages_per_rank(p.schedule, p.stages_per_rank)
+        held = in_flight_bytes(p.schedule, layout.pp, V, p.microbatches, r, stage_bytes, grads) - grads
     blocks = [n for i in ids for n in parts(i) if n in plain.blocks]
     return held + max(0, max((plain.kept.get(n, 0) - kept.kept.get(n, 0) for n in blocks), default=0))
+
+
+def _receive_buffers(cfg: Config, layout: MeshLayout, ids: list[int], plan, plain: PartBytes) -> int:
+    """Bytes of the buffers torch's PipelineStage makes once for every micro-batch and keeps (its `args_recv_info` and
+    `grad_recv_info`): each stage but the first receives its input, each but the last the gradient of its output (the
+    next stage's input)."""
+    if layout.pp == 1:
+        return 0
+    received = lambda i: plain.inputs.get(plan[i][0], 0) if 0 < i < len(plan) else 0  # noqa: E731 (stage i's input)
+    return cfg.parallel.microbatches * sum(received(i) + received(i + 1) for i in ids)
 
 
 def estimate(cfg: Config, world: int, vocab_size: int, sample: tuple[torch.Tensor, torch.Tensor]) -> tuple[MeshLayout, list[RankMemory]]:
@@ -230,8 +245,6 @@ def estimate(cfg: Config, world: int, vocab_size: int, sample: tuple[torch.Tenso
     optimizer_states = 2 if cfg.train.optimizer == "adamw" else 0
     ranks = []
     for r, (ids, numel, trainable, gathered) in enumerate(held):
-        acts = _rank_activations(cfg, layout, r, ids, plan, run, plain)
-        ckpt = _rank_activations(cfg, layout, r, ids, plan, measured["full"], plain) if "full" in measured else None
         mine = [n for i in ids for n in plan[i]] + (["loss"] if len(plan) - 1 in ids else [])
         grads, buffers = 4 * trainable, gathered * param_bytes  # frozen weights (LoRA's base) have neither gradients nor state
         if layout.pp > 1 and _fsdp(layout):
@@ -239,6 +252,8 @@ def estimate(cfg: Config, world: int, vocab_size: int, sample: tuple[torch.Tenso
             # no gradient sync until the last one): its whole parameters in the policy's dtype, and its whole gradients
             # accumulated in fp32 until the reduce-scatter after the last backward.
             grads, buffers = 4 * trainable * layout.dp_shard, param_bytes * numel * layout.dp_shard
+        acts = _rank_activations(cfg, layout, r, ids, plan, run, plain, grads)
+        ckpt = _rank_activations(cfg, layout, r, ids, plan, measured["full"], plain, grads) if "full" in measured else None
         ranks.append(
             RankMemory(
                 r,
@@ -253,6 +268,7 @@ def estimate(cfg: Config, world: int, vocab_size: int, sample: tuple[torch.Tenso
                 ckpt,
                 accumulating=cfg.train.gradient_accumulation_steps > 1 or layout.pp > 1,
                 breakdown={n: run.kept.get(n, 0) for n in mine},
+                stage_buffers=_receive_buffers(cfg, layout, ids, plan, plain),
             )
         )
     return layout, ranks
