@@ -130,9 +130,9 @@ def _precision(cfg: Config, layout: MeshLayout):
     return None, dtype
 
 
-def _held(cfg: Config, layout: MeshLayout, vocab_size: int, mesh) -> tuple[list[list[str]], list[tuple[list[int], int, int, int]]]:
+def _held(cfg: Config, layout: MeshLayout, vocab_size: int, mesh) -> tuple[list[list[str]], list[tuple]]:
     """The stages (their parts' names) and per pipeline rank: (its stages, parameter elements it holds, those of them
-    that train (LoRA: the adapters only), elements FSDP2 gathers whole at once: two blocks
+    that train (LoRA: the adapters only), elements FSDP2 gathers whole at once, gradient bytes per part): two blocks
     (one computing, one prefetched) and the root's own parameters (embeddings, final norm, head), which its group
     gathers for the forward and again from the start of backward to its end)."""
     with torch.device("meta"):
@@ -150,7 +150,8 @@ def _held(cfg: Config, layout: MeshLayout, vocab_size: int, mesh) -> tuple[list[
         held = sum(local_numel(v) for v in views)
         blocks = [local_numel(u) for u in units]
         gathered = (2 * max(blocks, default=0) + held - sum(blocks)) * layout.dp_shard if layout.dp_shard > 1 else 0
-        out.append((ids, held, sum(local_numel(v, trainable=True) for v in views), gathered))
+        part_grads = {name: 4 * local_numel(m, trainable=True) for v in views for name, m in model_units(v).items()}
+        out.append((ids, held, sum(local_numel(v, trainable=True) for v in views), gathered, part_grads))
     return plan, out
 
 
@@ -194,10 +195,14 @@ def _with_checkpointing(model_cfg, mode: str):
     return dataclasses.replace(model_cfg, activation_checkpointing=mode)
 
 
-def _rank_activations(cfg: Config, layout: MeshLayout, r: int, ids: list[int], plan, kept: PartBytes, plain: PartBytes, grads: int) -> int:
+def _rank_activations(
+    cfg: Config, layout: MeshLayout, r: int, ids: list[int], plan, kept: PartBytes, plain: PartBytes, grads: int, part_grads: dict[str, int]
+) -> int:
     """Activation bytes at this pipeline rank's peak, as a forward that kept `kept` leaves them: the micro-batches in
     flight as the schedule holds them (pipeline/in_flight.py), plus backward's recomputation of one checkpointed
-    block at a time (what the block keeps without checkpointing, `plain`, less what it kept). One formula for the run's
+    block at a time (what the block keeps without checkpointing, `plain`, less what it kept), made when the parts after
+    it (in its stage) have freed what they kept and, where gradients do not accumulate, made their gradients
+    (`part_grads`) and the block its own. One formula for the run's
     own mode and for the full-checkpointing column, each from its own measured forward. In a pipeline the figure is
     what stands beside the rank's `grads` at its peak (RankMemory.total adds them): before its first backward the
     gradients do not exist, so GPipe's peak may be all micro-batches without them."""
@@ -213,8 +218,15 @@ def _rank_activations(cfg: Config, layout: MeshLayout, r: int, ids: list[int], p
     else:
         V = stages_per_rank(p.schedule, p.stages_per_rank)
         held = in_flight_bytes(p.schedule, layout.pp, V, p.microbatches, r, stage_bytes, grads) - grads
-    blocks = [n for i in ids for n in parts(i) if n in plain.blocks]
-    return held + max(0, max((plain.kept.get(n, 0) - kept.kept.get(n, 0) for n in blocks), default=0))
+    recompute = 0
+    for i in ids:
+        after = 0  # what the micro-batch in backward still holds past the block: freed, less the gradients made
+        for n in reversed(parts(i)):
+            after -= part_grads.get(n, 0)
+            if n in plain.blocks:
+                recompute = max(recompute, plain.kept.get(n, 0) - kept.kept.get(n, 0) - after)
+            after += kept.kept.get(n, 0)
+    return held + recompute
 
 
 def _receive_buffers(cfg: Config, layout: MeshLayout, ids: list[int], plan, plain: PartBytes) -> int:
@@ -244,7 +256,7 @@ def estimate(cfg: Config, world: int, vocab_size: int, sample: tuple[torch.Tenso
     param_bytes = 2 if policy is not None else 4  # FSDP2 gathers (and computes with) bf16/fp16 copies under its policy
     optimizer_states = 2 if cfg.train.optimizer == "adamw" else 0
     ranks = []
-    for r, (ids, numel, trainable, gathered) in enumerate(held):
+    for r, (ids, numel, trainable, gathered, part_grads) in enumerate(held):
         mine = [n for i in ids for n in plan[i]] + (["loss"] if len(plan) - 1 in ids else [])
         grads, buffers = 4 * trainable, gathered * param_bytes  # frozen weights (LoRA's base) have neither gradients nor state
         if layout.pp > 1 and _fsdp(layout):
@@ -252,8 +264,10 @@ def estimate(cfg: Config, world: int, vocab_size: int, sample: tuple[torch.Tenso
             # no gradient sync until the last one): its whole parameters in the policy's dtype, and its whole gradients
             # accumulated in fp32 until the reduce-scatter after the last backward.
             grads, buffers = 4 * trainable * layout.dp_shard, param_bytes * numel * layout.dp_shard
-        acts = _rank_activations(cfg, layout, r, ids, plan, run, plain, grads)
-        ckpt = _rank_activations(cfg, layout, r, ids, plan, measured["full"], plain, grads) if "full" in measured else None
+        accumulating = cfg.train.gradient_accumulation_steps > 1 or layout.pp > 1
+        beside = {} if accumulating else part_grads  # gradients made before a block's recomputation (else all counted)
+        acts = _rank_activations(cfg, layout, r, ids, plan, run, plain, grads, beside)
+        ckpt = _rank_activations(cfg, layout, r, ids, plan, measured["full"], plain, grads, beside) if "full" in measured else None
         ranks.append(
             RankMemory(
                 r,
@@ -266,7 +280,7 @@ def estimate(cfg: Config, world: int, vocab_size: int, sample: tuple[torch.Tenso
                 2 * max((plain.largest.get(n, 0) for n in mine), default=0),  # backward reruns a checkpointed block whole
                 acts,
                 ckpt,
-                accumulating=cfg.train.gradient_accumulation_steps > 1 or layout.pp > 1,
+                accumulating=accumulating,
                 breakdown={n: run.kept.get(n, 0) for n in mine},
                 stage_buffers=_receive_buffers(cfg, layout, ids, plan, plain),
             )
