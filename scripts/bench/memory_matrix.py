@@ -4,6 +4,8 @@
     python scripts/bench/memory_matrix.py                     every cell (about 20 launches of a big and a tiny model)
     python scripts/bench/memory_matrix.py --cells ddp2,tp2    some cells
     python scripts/bench/memory_matrix.py --update-docs       also put the table into docs/BENCHMARKS.md
+    python scripts/bench/memory_matrix.py --measured LOG      no launch: the measurements of an earlier run (the
+                                                              lines it printed), estimated again by this checkout
 
 A cell is a layout (1 process, DDP, FSDP2, TP, DP x TP, pipelines under each schedule, each checkpointing mode, LoRA)
 launched twice with torchrun through scripts/bench/rank_peak.py: once with the cell's model and once with a tiny
@@ -134,6 +136,28 @@ def run_cell(cell: Cell, tmp: Path, folders: dict[str, str], launcher=None) -> l
     return [{"rank": r, "estimated": est_big[r] - est_tiny[r], "measured": big[r] - tiny[r]} for r in range(cell.nproc)]
 
 
+def reestimate(log: Path, update: bool) -> None:
+    """The estimates again for the measurements an earlier run printed (`ID [{"rank", "estimated", "measured"}, ...]`
+    per cell, and its load line): for a change to the estimator alone, without launching anything."""
+    results, loads = {}, ""
+    with tempfile.TemporaryDirectory() as tmp:
+        lines = log.read_text().splitlines()
+        ids = [line.split(" ", 1)[0] for line in lines if line.split(" ", 1)[0] in CELLS and line.split(" ", 1)[-1].startswith("[")]
+        folders = write_llamas(Path(tmp)) if any(CELLS[n].model == HF for n in ids) else {}
+        for line in lines:
+            name, _, rest = line.partition(" ")
+            if name in CELLS and rest.startswith("["):
+                cell, measured = CELLS[name], json.loads(rest)
+                big, tiny = estimated(cell, False, folders), estimated(cell, True, folders)
+                results[name] = [{**r, "estimated": big[r["rank"]] - tiny[r["rank"]]} for r in measured]
+            elif line.startswith("Load"):
+                loads = line
+    text = table(results) + f"\n\n{loads}"
+    print(text)
+    if update:
+        update_docs(text, START, END, SECTION)
+
+
 def table(results: dict[str, list[dict]]) -> str:
     lines = ["| layout | rank | estimated | measured | estimate / measured |", "|---|---:|---:|---:|---:|"]
     for name, ranks in results.items():
@@ -147,7 +171,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", default="", help="comma-separated cell ids (default: all): " + ",".join(CELLS))
     parser.add_argument("--update-docs", action="store_true")
+    parser.add_argument("--measured", type=Path, help="an earlier run's output: its measurements, estimated again")
     a = parser.parse_args()
+    if a.measured:
+        return reestimate(a.measured, a.update_docs)
     names = [n.strip() for n in a.cells.split(",")] if a.cells else list(CELLS)
     unknown = [n for n in names if n not in CELLS]
     if unknown:

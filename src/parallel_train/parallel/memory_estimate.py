@@ -200,9 +200,12 @@ def _rank_activations(
 ) -> int:
     """Activation bytes at this pipeline rank's peak, as a forward that kept `kept` leaves them: the micro-batches in
     flight as the schedule holds them (pipeline/in_flight.py), plus backward's recomputation of one checkpointed
-    block at a time (what the block keeps without checkpointing, `plain`, less what it kept), made when the parts after
-    it (in its stage) have freed what they kept and, where gradients do not accumulate, made their gradients
-    (`part_grads`) and the block its own. One formula for the run's
+    block at a time (what the block keeps without checkpointing, `plain`, less what it kept), made when the blocks after
+    it (in its stage) have freed what they kept and, where gradients do not accumulate, the parts after it have made
+    their gradients (`part_grads`) and the block its own. What the parts past the last block keep (final norm, head,
+    loss) is counted as still alive then, though a run frees it first: conservative, by about the loss's
+    log-probabilities (8-16 GiB for torchtitan's T1 and T2 rows with a 128k vocabulary, whose published reserved
+    memory the estimate stays within 15% of this way). One formula for the run's
     own mode and for the full-checkpointing column, each from its own measured forward. In a pipeline the figure is
     what stands beside the rank's `grads` at its peak (RankMemory.total adds them): before its first backward the
     gradients do not exist, so GPipe's peak may be all micro-batches without them."""
@@ -220,12 +223,12 @@ def _rank_activations(
         held = in_flight_bytes(p.schedule, layout.pp, V, p.microbatches, r, stage_bytes, grads) - grads
     recompute = 0
     for i in ids:
-        after = 0  # what the micro-batch in backward still holds past the block: freed, less the gradients made
+        after = 0  # what the blocks past this one kept (freed by then), less the gradients made by then
         for n in reversed(parts(i)):
             after -= part_grads.get(n, 0)
             if n in plain.blocks:
                 recompute = max(recompute, plain.kept.get(n, 0) - kept.kept.get(n, 0) - after)
-            after += kept.kept.get(n, 0)
+                after += kept.kept.get(n, 0)
     return held + recompute
 
 
