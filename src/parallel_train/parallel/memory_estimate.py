@@ -150,7 +150,8 @@ def _held(cfg: Config, layout: MeshLayout, vocab_size: int, mesh) -> tuple[list[
         held = sum(local_numel(v) for v in views)
         blocks = [local_numel(u) for u in units]
         gathered = (2 * max(blocks, default=0) + held - sum(blocks)) * layout.dp_shard if layout.dp_shard > 1 else 0
-        part_grads = {name: 4 * local_numel(m, trainable=True) for v in views for name, m in model_units(v).items()}
+        # a part's gradient bytes, for one step without accumulation (a pipeline's gradients all stand: not needed)
+        part_grads = {name: 4 * local_numel(m, trainable=True) for name, m in model_units(model).items()} if layout.pp == 1 else {}
         out.append((ids, held, sum(local_numel(v, trainable=True) for v in views), gathered, part_grads))
     return plan, out
 
