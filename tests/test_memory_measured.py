@@ -30,9 +30,9 @@ def warm(tmp_path):
     return launcher
 
 
-def ratios(tmp_path, cell_id: str, folders: dict[str, str] | None = None) -> list[float]:
+def ratios(tmp_path, cell_id: str, folders: dict[str, str] | None = None, small: bool = True) -> list[float]:
     cell = memory_matrix.CELLS[cell_id]
-    if cell.model == memory_matrix.GPT:
+    if small and cell.model == memory_matrix.GPT:
         cell = replace(cell, model=SMALL)
     ranks = memory_matrix.run_cell(cell, tmp_path, folders or {}, warm(tmp_path))
     return [r["estimated"] / r["measured"] for r in ranks]
@@ -53,7 +53,9 @@ def test_estimate_is_within_ten_percent_of_each_ranks_measured_peak(tmp_path, ce
     "cell_id", ["one-full", "ddp2", "fsdp2", "tp2", "dp2xtp2", "pp4-gpipe", "pp4-interleaved1f1b", "lora-one", "lora-fsdp2"]
 )
 def test_more_layouts_are_within_ten_percent(tmp_path, cell_id):
-    """The rest of the table's kinds: full checkpointing, DDP, FSDP2, tensor parallel, DP x TP, 4-stage pipelines, LoRA."""
+    """The rest of the table's kinds: full checkpointing, DDP, FSDP2, tensor parallel, DP x TP, 4-stage pipelines, LoRA;
+    on the table's own models (the small one leaves a 4-stage rank a few MB, within the measurement's noise, and has
+    too few layers for 4 ranks of two stages)."""
     folders = memory_matrix.write_llamas(tmp_path / "llamas") if cell_id.startswith("lora") else None
-    got = ratios(tmp_path, cell_id, folders)
+    got = ratios(tmp_path, cell_id, folders, small=False)
     assert all(0.9 <= x <= 1.1 for x in got), (cell_id, got)
