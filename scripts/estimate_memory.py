@@ -67,13 +67,13 @@ def report(cfg, layout, ranks, capacity_gib: float, device: str, total_params: i
         f"optimizer {cfg.train.optimizer} | activation checkpointing {_checkpointing(cfg)}",
         "",
         f"| pipeline rank | stages | parameters held | parameters {unit} | gradients {unit} | optimizer {unit} | FSDP buffers {unit} | "
-        f"working {unit} | activations {unit} | total {unit} | activations, full checkpointing | total, full checkpointing |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"pipeline buffers {unit} | working {unit} | activations {unit} | total {unit} | activations, full checkpointing | total, full checkpointing |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in ranks:
         lines.append(
             f"| {r.pp_rank} | {','.join(map(str, r.stages))} | {r.param_numel:,} ({100 * r.param_numel / max(1, total_params):.1f}%) | "
-            f"{size(r.params)} | {size(r.grads)} | {size(r.optimizer)} | {size(r.fsdp_buffers)} | {size(r.working)} | "
+            f"{size(r.params)} | {size(r.grads)} | {size(r.optimizer)} | {size(r.fsdp_buffers)} | {size(r.stage_buffers)} | {size(r.working)} | "
             f"{size(r.activations)} | {size(r.total())} | {size(r.activations_ckpt)} | "
             f"{size(r.total(True) if r.activations_ckpt is not None else None)} |"
         )

@@ -94,6 +94,8 @@ def test_every_json_file_the_template_writes_goes_through_json_text():
         "scripts/bench/checkpoint.py": 3,  # the tiny stand-in checkpoint files it times
         "scripts/bench/bare_loop.py": 1,  # printed
         "scripts/bench/memory_estimate.py": 1,  # printed
+        "scripts/bench/memory_matrix.py": 1,  # printed
+        "scripts/bench/rank_peak.py": 1,  # a rank's peak (integers) for the parent benchmark
         "scripts/bench/gpu_bench.sh": 2,  # its own python, without the package; its figures come from null-safe summary.json
     }
     found = {}

@@ -19,6 +19,18 @@ BIN = Path(sys.executable).parent
 TORCHRUN = str(BIN / "torchrun")
 sys.path.insert(0, str(REPO / "src"))
 
+# A launch that only trains: no warm-up, a log line per step, no evaluation or checkpoint before the last step, no
+# tracker, never resumed (the memory and start-up benchmarks add their model and step count).
+BARE_RUN = (
+    "train.warmup_steps=0",
+    "train.log_interval=1",
+    "eval.interval=0",
+    "eval.iters=1",
+    "checkpoint.interval=0",
+    "tracker=none",
+    "resume=none",
+)
+
 
 def free_port() -> int:
     """A port nobody listens on now (torchrun's rendezvous; never a fixed 29500 that another job may hold)."""

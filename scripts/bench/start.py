@@ -25,22 +25,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import REPO, free_port, update_docs
+from common import BARE_RUN, REPO, free_port, update_docs
 
 START, END = "<!-- start_memory:start -->", "<!-- start_memory:end -->"
-COMMON = (
-    "model.n_head=16",
-    "model.block_size=64",
-    "train.batch_size=4",
-    "train.max_steps=1",
-    "train.warmup_steps=0",
-    "train.log_interval=1",
-    "eval.interval=0",
-    "eval.iters=1",
-    "checkpoint.interval=0",
-    "tracker=none",
-    "resume=none",
-)
+COMMON = ("model.n_head=16", "model.block_size=64", "train.batch_size=4", "train.max_steps=1", *BARE_RUN)
 BIG, TINY = ("model.n_layer=24", "model.n_embd=1024"), ("model.n_layer=2", "model.n_embd=64")
 
 

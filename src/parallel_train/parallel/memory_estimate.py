@@ -9,14 +9,16 @@ Activations: one forward of a micro-batch under FakeTensorMode (shapes only, any
 (the whole model on the mesh; stage by stage in a pipeline), counting what is still alive when the loss is computed
 (parallel/activation_memory.py), by part of the model: what the run's own activation checkpointing keeps (none, full,
 selective op or every N-th block), in the engine's precision (FSDP2's bf16 policy: bf16 activations; autocast
-elsewhere: an fp32 residual stream beside bf16 copies). A second forward without checkpointing gives what backward
-recomputes, one checkpointed block at a time, and the "checkpointed" figure (model.activation_checkpointing=full:
-each block keeps its input).
+elsewhere: an fp32 residual stream beside bf16 copies). A forward without checkpointing gives what backward
+recomputes, one checkpointed block at a time, and a forward with model.activation_checkpointing=full the
+"checkpointed" column: each mode measured once, and one formula turns each into its figure, so a run whose own mode
+is full gets the same number in both.
 
 What the figures assume, stated: fp32 parameters, gradients and optimizer state (AdamW: two moments per parameter,
-SGD none); FSDP2 gathers copies in its policy's dtype: two blocks at a time (one computing, one prefetched) plus the
+SGD none), gradients and state only for the parameters that train (LoRA: the adapters); FSDP2 gathers copies in its policy's dtype: two blocks at a time (one computing, one prefetched) plus the
 root's own parameters (embeddings, head). In a pipeline, torch's PipelineStage keeps an FSDP2 stage unsharded from
-its first backward to the last (whole parameters, and whole fp32 gradients accumulating), and holds the micro-batches
+its first backward to the last (whole parameters, and whole fp32 gradients accumulating), keeps a receive buffer per
+micro-batch for each stage's input and its output's gradient, and holds the micro-batches
 its schedule has in flight: torch's own order of actions, walked (pipeline/in_flight.py). The peak is the larger
 of the start of backward (activations and scratch, no gradients: each step sets them to None) and its end (all
 gradients), or both together when gradients accumulate over micro-steps or pipeline micro-batches. Backward needs
@@ -77,13 +79,14 @@ class RankMemory:
     activations_ckpt: int | None  # with model.activation_checkpointing=full instead
     accumulating: bool = False  # gradient accumulation: the gradients outlive a micro-step, beside its activations
     breakdown: dict[str, int] = field(default_factory=dict)  # activation bytes per part of the model, per micro-batch
+    stage_buffers: int = 0  # a pipeline stage's receive buffers: one per micro-batch, kept from step to step
 
     def total(self, checkpointing: bool = False) -> int:
         """The peak (`checkpointing`: with model.activation_checkpointing=full instead of the run's mode): at the start of backward (activations and scratch, no gradients yet: the optimizer step
         sets them to None) or at its end (all gradients), whichever is larger; both at once when accumulating."""
         act = self.activations_ckpt if checkpointing and self.activations_ckpt is not None else self.activations
         backward = self.grads + act + self.working if self.accumulating else max(act + self.working, self.grads)
-        return self.params + self.optimizer + self.fsdp_buffers + backward
+        return self.params + self.optimizer + self.fsdp_buffers + self.stage_buffers + backward
 
 
 @contextlib.contextmanager
@@ -127,8 +130,9 @@ def _precision(cfg: Config, layout: MeshLayout):
     return None, dtype
 
 
-def _held(cfg: Config, layout: MeshLayout, vocab_size: int, mesh) -> tuple[list[list[str]], list[tuple[list[int], int, int]]]:
-    """The stages (their parts' names) and per pipeline rank: (its stages, parameter elements it holds, elements FSDP2 gathers whole at once: two blocks
+def _held(cfg: Config, layout: MeshLayout, vocab_size: int, mesh) -> tuple[list[list[str]], list[tuple]]:
+    """The stages (their parts' names) and per pipeline rank: (its stages, parameter elements it holds, those of them
+    that train (LoRA: the adapters only), elements FSDP2 gathers whole at once, gradient bytes per part): two blocks
     (one computing, one prefetched) and the root's own parameters (embeddings, final norm, head), which its group
     gathers for the forward and again from the start of backward to its end)."""
     with torch.device("meta"):
@@ -146,7 +150,9 @@ def _held(cfg: Config, layout: MeshLayout, vocab_size: int, mesh) -> tuple[list[
         held = sum(local_numel(v) for v in views)
         blocks = [local_numel(u) for u in units]
         gathered = (2 * max(blocks, default=0) + held - sum(blocks)) * layout.dp_shard if layout.dp_shard > 1 else 0
-        out.append((ids, held, gathered))
+        # a part's gradient bytes, for one step without accumulation (a pipeline's gradients all stand: not needed)
+        part_grads = {name: 4 * local_numel(m, trainable=True) for name, m in model_units(model).items()} if layout.pp == 1 else {}
+        out.append((ids, held, sum(local_numel(v, trainable=True) for v in views), gathered, part_grads))
     return plan, out
 
 
@@ -182,33 +188,59 @@ def _activations(cfg: Config, layout: MeshLayout, vocab_size: int, mesh, sample,
         return kept_per_part(model.train(), forward, x, y, autocast, loss_context(logits_cut), blocks)
 
 
-def _no_checkpointing(model_cfg):
-    """The model's keys without activation checkpointing, or None when it has none to turn off."""
-    mode = getattr(model_cfg, "activation_checkpointing", "none")
-    return None if mode == "none" else dataclasses.replace(model_cfg, activation_checkpointing="none")
+def _with_checkpointing(model_cfg, mode: str):
+    """The model's keys with model.activation_checkpointing=`mode`; None when the model has no such key (it then runs
+    without: only "none" is measured)."""
+    if not hasattr(model_cfg, "activation_checkpointing"):
+        return model_cfg if mode == "none" else None
+    return dataclasses.replace(model_cfg, activation_checkpointing=mode)
 
 
-def _rank_activations(cfg: Config, layout: MeshLayout, r: int, ids: list[int], plan, run: PartBytes, plain: PartBytes) -> tuple[int, int]:
-    """(activation bytes at this pipeline rank's peak as the run keeps them, the same with full checkpointing).
-    Micro-batches in flight as the schedule holds them (pipeline/in_flight.py), plus backward's recomputation of one
-    checkpointed block at a time (what it keeps without checkpointing, less what it kept)."""
+def _rank_activations(
+    cfg: Config, layout: MeshLayout, r: int, ids: list[int], plan, kept: PartBytes, plain: PartBytes, grads: int, part_grads: dict[str, int]
+) -> int:
+    """Activation bytes at this pipeline rank's peak, as a forward that kept `kept` leaves them: the micro-batches in
+    flight as the schedule holds them (pipeline/in_flight.py), plus backward's recomputation of one checkpointed
+    block at a time (what the block keeps without checkpointing, `plain`, less what it kept), made when the blocks after
+    it (in its stage) have freed what they kept and, where gradients do not accumulate, the parts after it have made
+    their gradients (`part_grads`) and the block its own. What the parts past the last block keep (final norm, head,
+    loss) is counted as still alive then, though a run frees it first: conservative, by about the loss's
+    log-probabilities (8-16 GiB for torchtitan's T1 and T2 rows with a 128k vocabulary, whose published reserved
+    memory the estimate stays within 15% of this way). One formula for the run's
+    own mode and for the full-checkpointing column, each from its own measured forward. In a pipeline the figure is
+    what stands beside the rank's `grads` at its peak (RankMemory.total adds them): before its first backward the
+    gradients do not exist, so GPipe's peak may be all micro-batches without them."""
     p = cfg.parallel
     last = len(plan) - 1
 
     def parts(i: int) -> list[str]:
         return plan[i] + (["loss"] if i == last else [])
 
-    def peak(per_part: dict[str, int]) -> int:
-        stage_bytes = {i: sum(per_part.get(n, 0) for n in parts(i)) for i in ids}
-        if layout.pp == 1:
-            return stage_bytes[0]
-        return in_flight_bytes(p.schedule, layout.pp, stages_per_rank(p.schedule, p.stages_per_rank), p.microbatches, r, stage_bytes)
+    stage_bytes = {i: sum(kept.kept.get(n, 0) for n in parts(i)) for i in ids}
+    if layout.pp == 1:
+        held = stage_bytes[0]
+    else:
+        V = stages_per_rank(p.schedule, p.stages_per_rank)
+        held = in_flight_bytes(p.schedule, layout.pp, V, p.microbatches, r, stage_bytes, grads) - grads
+    recompute = 0
+    for i in ids:
+        after = 0  # what the blocks past this one kept (freed by then), less the gradients made by then
+        for n in reversed(parts(i)):
+            after -= part_grads.get(n, 0)
+            if n in plain.blocks:
+                recompute = max(recompute, plain.kept.get(n, 0) - kept.kept.get(n, 0) - after)
+                after += kept.kept.get(n, 0)
+    return held + recompute
 
-    mine = [n for i in ids for n in parts(i)]
-    blocks = [n for n in mine if n in plain.blocks]
-    recompute = max((plain.kept.get(n, 0) - run.kept.get(n, 0) for n in blocks), default=0)
-    full = {n: (plain.inputs.get(n, 0) if n in blocks else plain.kept.get(n, 0)) for n in mine}
-    return peak(run.kept) + max(0, recompute), peak(full) + max((plain.kept.get(n, 0) for n in blocks), default=0)
+
+def _receive_buffers(cfg: Config, layout: MeshLayout, ids: list[int], plan, plain: PartBytes) -> int:
+    """Bytes of the buffers torch's PipelineStage makes once for every micro-batch and keeps (its `args_recv_info` and
+    `grad_recv_info`): each stage but the first receives its input, each but the last the gradient of its output (the
+    next stage's input)."""
+    if layout.pp == 1:
+        return 0
+    received = lambda i: plain.inputs.get(plan[i][0], 0) if 0 < i < len(plan) else 0  # noqa: E731 (stage i's input)
+    return cfg.parallel.microbatches * sum(received(i) + received(i + 1) for i in ids)
 
 
 def estimate(cfg: Config, world: int, vocab_size: int, sample: tuple[torch.Tensor, torch.Tensor]) -> tuple[MeshLayout, list[RankMemory]]:
@@ -218,22 +250,28 @@ def estimate(cfg: Config, world: int, vocab_size: int, sample: tuple[torch.Tenso
     with fake_world(world):
         mesh = build_device_mesh(layout, "cpu")
         plan, held = _held(cfg, layout, vocab_size, mesh)
-        run = _activations(cfg, layout, vocab_size, mesh, sample, cfg.model)
-        plain_cfg = _no_checkpointing(cfg.model)
-        plain = run if plain_cfg is None else _activations(cfg, layout, vocab_size, mesh, sample, plain_cfg)
+        own = getattr(cfg.model, "activation_checkpointing", "none")
+        measured: dict[str, PartBytes] = {}  # checkpointing mode -> what its forward keeps: the run's, none and full
+        for mode in dict.fromkeys((own, "none", "full")):
+            if (mode_cfg := _with_checkpointing(cfg.model, mode)) is not None:
+                measured[mode] = _activations(cfg, layout, vocab_size, mesh, sample, mode_cfg)
+    run, plain = measured[own], measured["none"]
     policy, _ = _precision(cfg, layout)
     param_bytes = 2 if policy is not None else 4  # FSDP2 gathers (and computes with) bf16/fp16 copies under its policy
     optimizer_states = 2 if cfg.train.optimizer == "adamw" else 0
     ranks = []
-    for r, (ids, numel, gathered) in enumerate(held):
-        acts, ckpt = _rank_activations(cfg, layout, r, ids, plan, run, plain)
+    for r, (ids, numel, trainable, gathered, part_grads) in enumerate(held):
         mine = [n for i in ids for n in plan[i]] + (["loss"] if len(plan) - 1 in ids else [])
-        grads, buffers = 4 * numel, gathered * param_bytes
+        grads, buffers = 4 * trainable, gathered * param_bytes  # frozen weights (LoRA's base) have neither gradients nor state
         if layout.pp > 1 and _fsdp(layout):
             # torch's PipelineStage keeps an FSDP2 stage unsharded between micro-batches (set_reshard_after_backward(False),
             # no gradient sync until the last one): its whole parameters in the policy's dtype, and its whole gradients
             # accumulated in fp32 until the reduce-scatter after the last backward.
-            grads, buffers = 4 * numel * layout.dp_shard, param_bytes * numel * layout.dp_shard
+            grads, buffers = 4 * trainable * layout.dp_shard, param_bytes * numel * layout.dp_shard
+        accumulating = cfg.train.gradient_accumulation_steps > 1 or layout.pp > 1
+        beside = {} if accumulating else part_grads  # gradients made before a block's recomputation (else all counted)
+        acts = _rank_activations(cfg, layout, r, ids, plan, run, plain, grads, beside)
+        ckpt = _rank_activations(cfg, layout, r, ids, plan, measured["full"], plain, grads, beside) if "full" in measured else None
         ranks.append(
             RankMemory(
                 r,
@@ -241,13 +279,14 @@ def estimate(cfg: Config, world: int, vocab_size: int, sample: tuple[torch.Tenso
                 numel,
                 4 * numel,
                 grads,
-                4 * optimizer_states * numel,
+                4 * optimizer_states * trainable,
                 buffers,
                 2 * max((plain.largest.get(n, 0) for n in mine), default=0),  # backward reruns a checkpointed block whole
                 acts,
                 ckpt,
-                accumulating=cfg.train.gradient_accumulation_steps > 1 or layout.pp > 1,
+                accumulating=accumulating,
                 breakdown={n: run.kept.get(n, 0) for n in mine},
+                stage_buffers=_receive_buffers(cfg, layout, ids, plan, plain),
             )
         )
     return layout, ranks

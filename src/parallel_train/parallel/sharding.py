@@ -139,9 +139,12 @@ def parallelize(
     return compiled
 
 
-def local_numel(module: nn.Module) -> int:
-    """Parameter elements this rank holds (its slices of sharded parameters, the whole of the others)."""
-    return sum(q.to_local().numel() if hasattr(q, "to_local") else q.numel() for q in module.parameters())
+def local_numel(module: nn.Module, trainable: bool = False) -> int:
+    """Parameter elements this rank holds (its slices of sharded parameters, the whole of the others); `trainable`:
+    only those that require a gradient (LoRA freezes the rest: no gradient, no optimizer state)."""
+    return sum(
+        q.to_local().numel() if hasattr(q, "to_local") else q.numel() for q in module.parameters() if q.requires_grad or not trainable
+    )
 
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float, pp_group=None, not_counted: set[int] | None = None) -> torch.Tensor:

@@ -39,26 +39,31 @@ def rank_actions(schedule: str, n_ranks: int, per_rank: int, microbatches: int, 
     return cls._calculate_single_rank_operations(sizes, rank)
 
 
-def peak_in_flight(actions: list, stage_bytes: dict[int, int]) -> int:
-    """The largest sum of the activation bytes of the (stage, micro-batch) pairs forwarded and not yet freed.
+def peak_in_flight(actions: list, stage_bytes: dict[int, int], grads: int = 0) -> int:
+    """The largest sum of the activation bytes of the (stage, micro-batch) pairs forwarded and not yet freed, with
+    `grads` (the rank's gradients) from the end of its first backward on: before it they do not exist yet (each step
+    sets them to None), so GPipe's peak is the larger of all M micro-batches alone and M - 1 beside the gradients.
     A pair is freed by its last backward action (W after I when the backward is split)."""
     flat = [sub for a in actions if a is not None for sub in (getattr(a, "sub_actions", None) or (a,))]
     last_release = {}
     for i, a in enumerate(flat):
         if a.computation_type.name in RELEASES:
             last_release[(a.stage_index, a.microbatch_index)] = i
-    alive, peak = 0, 0
+    alive, peak, held = 0, 0, 0
     for i, a in enumerate(flat):
         key = (a.stage_index, a.microbatch_index)
         if a.computation_type.name == "FORWARD":
             alive += stage_bytes.get(a.stage_index, 0)
-            peak = max(peak, alive)
         elif last_release.get(key) == i:
             alive -= stage_bytes.get(a.stage_index, 0)
+            held = grads
+        peak = max(peak, alive + held)
     return peak
 
 
-def in_flight_bytes(schedule: str, n_ranks: int, per_rank: int, microbatches: int, rank: int, stage_bytes: dict[int, int]) -> int:
+def in_flight_bytes(
+    schedule: str, n_ranks: int, per_rank: int, microbatches: int, rank: int, stage_bytes: dict[int, int], grads: int = 0
+) -> int:
     """Activation bytes pipeline rank `rank` holds at its peak under `schedule` (`stage_bytes`: one micro-batch's, per
-    stage index this rank holds)."""
-    return peak_in_flight(rank_actions(schedule, n_ranks, per_rank, microbatches, rank), stage_bytes)
+    stage index this rank holds), with `grads` bytes of gradients from its first backward on."""
+    return peak_in_flight(rank_actions(schedule, n_ranks, per_rank, microbatches, rank), stage_bytes, grads)

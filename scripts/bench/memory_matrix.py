@@ -1,0 +1,197 @@
+#!/usr/bin/env python3
+"""The memory estimator against measured runs on every layout a CPU runs: each rank's estimate beside its peak.
+
+    python scripts/bench/memory_matrix.py                     every cell (about 20 launches of a big and a tiny model)
+    python scripts/bench/memory_matrix.py --cells ddp2,tp2    some cells
+    python scripts/bench/memory_matrix.py --update-docs       also put the table into docs/BENCHMARKS.md
+    python scripts/bench/memory_matrix.py --measured LOG      no launch: the measurements of an earlier run (the
+                                                              lines it printed), estimated again by this checkout
+
+A cell is a layout (1 process, DDP, FSDP2, TP, DP x TP, pipelines under each schedule, each checkpointing mode, LoRA)
+launched twice with torchrun through scripts/bench/rank_peak.py: once with the cell's model and once with a tiny
+model of the same layout (the baseline: torch, the process group, the data, the code). Every rank reports its peak
+resident memory over its second optimizer step, with freed memory handed back at once (rank_peak.py says how).
+Measured = big peak - tiny peak (the runtime's fixed cost cancels), estimated = the estimator's total for the big
+model - its total for the tiny one (scripts/estimate_memory.py's figure, parallel/memory_estimate.py), per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from common import BARE_RUN, REPO, TORCHRUN, free_port, load, run_env, update_docs
+
+START, END = "<!-- memory_matrix:start -->", "<!-- memory_matrix:end -->"
+SECTION = "## The memory estimator against measured runs"
+MIB = 2**20
+COMMON = ("data.path=synthetic", "train.max_steps=2", *BARE_RUN)
+# The cells' model: states and activations of the same order, both well above the measurement's noise (a few MB).
+GPT = ("model.n_layer=8", "model.n_embd=384", "model.n_head=6", "model.block_size=256", "train.batch_size=8", "model.vocab_size=256")
+TINY_GPT = ("model.n_embd=16", "model.n_head=2")  # put after the model's keys: the same depth, heads and layout
+PIPE = ("parallel.microbatches=4",)
+# A Hugging Face Llama of about the GPT's size, and a tiny one of the same depth, written with random weights into
+# folders made at run time ({big} and {tiny} below; LoRA adapts pretrained weights, so it reads them).
+LLAMA = dict(hidden_size=384, intermediate_size=1024, num_attention_heads=6, num_key_value_heads=2)
+TINY_LLAMA = dict(hidden_size=24, intermediate_size=32, num_attention_heads=6, num_key_value_heads=2)
+HF = ("model.name=hf", "model.hf_path={big}", "model.block_size=256", "train.batch_size=8", "model.vocab_size=256")
+LORA = ("model.lora_rank=8", "model.lora_targets=[all-linear]")
+
+
+@dataclass(frozen=True)
+class Cell:
+    nproc: int
+    keys: tuple[str, ...]
+    model: tuple[str, ...] = GPT
+    tiny: tuple[str, ...] = TINY_GPT
+
+
+def _cells() -> dict[str, Cell]:
+    """Cell id -> cell; the table names each by its id (one- a single process, pp pipeline stages, tp tensor parallel)."""
+    cells = {
+        "one": Cell(1, ()),
+        "one-full": Cell(1, ("model.activation_checkpointing=full",)),
+        "one-op": Cell(1, ("model.activation_checkpointing=selective",)),
+        "one-every2": Cell(1, ("model.activation_checkpointing=selective", "model.selective_ac=2")),
+        "ddp2": Cell(2, ()),
+        "fsdp2": Cell(2, ("parallel.dp_shard=2",)),
+        "fsdp4": Cell(4, ("parallel.dp_shard=4",)),
+        "fsdp2-full": Cell(2, ("parallel.dp_shard=2", "model.activation_checkpointing=full")),
+        "tp2": Cell(2, ("parallel.tp=2",)),
+        "dp2xtp2": Cell(4, ("parallel.dp_shard=2", "parallel.tp=2")),
+    }
+    for stages in (2, 4):
+        for schedule in ("gpipe", "1f1b", "interleaved1f1b"):
+            cells[f"pp{stages}-{schedule}"] = Cell(stages, (f"parallel.pipeline_stages={stages}", f"parallel.schedule={schedule}", *PIPE))
+    cells["pp2-1f1b-op"] = Cell(2, (*cells["pp2-1f1b"].keys, "model.activation_checkpointing=selective"))
+    hf = {"model": HF, "tiny": ("model.hf_path={tiny}",)}
+    cells["hf-one"] = Cell(1, (), **hf)
+    cells["lora-one"] = Cell(1, LORA, **hf)
+    cells["lora-fsdp2"] = Cell(2, (*LORA, "parallel.dp_shard=2"), **hf)
+    cells["lora-pp2-1f1b"] = Cell(2, (*LORA, *cells["pp2-1f1b"].keys), **hf)
+    return cells
+
+
+CELLS = _cells()
+
+
+def write_llamas(root: Path) -> dict[str, str]:
+    """The Hugging Face cells' two Llama folders (save_pretrained, random weights): {"big": path, "tiny": path}."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folders = {}
+    for name, shape in (("big", LLAMA), ("tiny", TINY_LLAMA)):
+        config = LlamaConfig(vocab_size=256, num_hidden_layers=8, max_position_embeddings=512, tie_word_embeddings=False, **shape)
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(root / name)
+        folders[name] = str(root / name)
+    return folders
+
+
+def arguments(cell: Cell, tiny: bool, folders: dict[str, str]) -> list[str]:
+    """train.py's keys for the cell's model (`tiny`: the baseline's), the Llama folders filled in."""
+    return [k.format(**folders) for k in (*COMMON, *cell.model, *(cell.tiny if tiny else ()), *cell.keys)]
+
+
+def measure(cell: Cell, tiny: bool, out: Path, folders: dict[str, str], launcher=None) -> list[int]:
+    """Each rank's peak bytes over its second step (rank_peak.py). `launcher(nproc, script, args, env)`: how to start
+    it (torchrun by default; the test forks warm ranks)."""
+    args = [*arguments(cell, tiny, folders), f"output_dir={out / 'run'}"]
+    env = run_env(out, RANK_PEAK_DIR=str(out / "peaks"), HF_HUB_OFFLINE="1")
+    if launcher is not None:
+        launcher(cell.nproc, "scripts/bench/rank_peak.py", args, env)
+    else:
+        script = str(REPO / "scripts" / "bench" / "rank_peak.py")
+        torchrun = [TORCHRUN, "--nproc-per-node", str(cell.nproc), "--master-port", str(free_port())]
+        cmd = [*([sys.executable] if cell.nproc == 1 else torchrun), script, *args]
+        result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        if result.returncode != 0:
+            sys.exit(f"{' '.join(cmd)} failed:\n{result.stderr[-3000:]}")
+    return [json.loads((out / "peaks" / f"rank{r}.json").read_text())["peak"] for r in range(cell.nproc)]
+
+
+def estimated(cell: Cell, tiny: bool, folders: dict[str, str]) -> list[int]:
+    """The estimator's total for every global rank (each rank's pipeline rank: its row)."""
+    from parallel_train.config.load import load_config
+    from parallel_train.data.sources import load_data
+    from parallel_train.parallel.memory_estimate import estimate
+
+    cfg, _ = load_config(arguments(cell, tiny, folders))
+    data = load_data(cfg)
+    layout, ranks = estimate(cfg, cell.nproc, data.vocab_size, data.train_set[0])
+    return [ranks[layout.coordinate(r)["pp"]].total() for r in range(cell.nproc)]
+
+
+def run_cell(cell: Cell, tmp: Path, folders: dict[str, str], launcher=None) -> list[dict]:
+    """Per rank: estimated and measured bytes above the tiny model of the same layout."""
+    big, tiny = (measure(cell, t, tmp / ("tiny" if t else "big"), folders, launcher) for t in (False, True))
+    est_big, est_tiny = estimated(cell, False, folders), estimated(cell, True, folders)
+    return [{"rank": r, "estimated": est_big[r] - est_tiny[r], "measured": big[r] - tiny[r]} for r in range(cell.nproc)]
+
+
+def reestimate(log: Path, update: bool) -> None:
+    """The estimates again for the measurements an earlier run printed (`ID [{"rank", "estimated", "measured"}, ...]`
+    per cell, and its load line): for a change to the estimator alone, without launching anything."""
+    results, loads = {}, ""
+    with tempfile.TemporaryDirectory() as tmp:
+        lines = log.read_text().splitlines()
+        ids = [line.split(" ", 1)[0] for line in lines if line.split(" ", 1)[0] in CELLS and line.split(" ", 1)[-1].startswith("[")]
+        folders = write_llamas(Path(tmp)) if any(CELLS[n].model == HF for n in ids) else {}
+        for line in lines:
+            name, _, rest = line.partition(" ")
+            if name in CELLS and rest.startswith("["):
+                cell, measured = CELLS[name], json.loads(rest)
+                big, tiny = estimated(cell, False, folders), estimated(cell, True, folders)
+                results[name] = [{**r, "estimated": big[r["rank"]] - tiny[r["rank"]]} for r in measured]
+            elif line.startswith("Load"):
+                loads = line
+    text = table(results) + f"\n\n{loads}"
+    print(text)
+    if update:
+        update_docs(text, START, END, SECTION)
+
+
+def table(results: dict[str, list[dict]]) -> str:
+    lines = ["| layout | rank | estimated | measured | estimate / measured |", "|---|---:|---:|---:|---:|"]
+    for name, ranks in results.items():
+        for r in ranks:
+            ratio = r["estimated"] / r["measured"] if r["measured"] > 0 else float("nan")
+            lines.append(f"| {name} | {r['rank']} | {r['estimated'] / MIB:,.1f} MiB | {r['measured'] / MIB:,.1f} MiB | {ratio:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cells", default="", help="comma-separated cell ids (default: all): " + ",".join(CELLS))
+    parser.add_argument("--update-docs", action="store_true")
+    parser.add_argument("--measured", type=Path, help="an earlier run's output: its measurements, estimated again")
+    a = parser.parse_args()
+    if a.measured:
+        return reestimate(a.measured, a.update_docs)
+    names = [n.strip() for n in a.cells.split(",")] if a.cells else list(CELLS)
+    unknown = [n for n in names if n not in CELLS]
+    if unknown:
+        sys.exit(f"error: unknown cells {unknown}; known: {', '.join(CELLS)}")
+    results, loads = {}, []
+    with tempfile.TemporaryDirectory() as tmp:
+        folders = write_llamas(Path(tmp)) if any(CELLS[n].model == HF for n in names) else {}
+        for i, name in enumerate(names):
+            loads.append(load())
+            results[name] = run_cell(CELLS[name], Path(tmp) / str(i), folders)
+            print(name, json.dumps(results[name]), flush=True)
+    text = table(results) + f"\n\nLoad (1-minute average) at each cell's start: {min(loads):.1f}-{max(loads):.1f}."
+    print(text)
+    if a.update_docs:
+        update_docs(text, START, END, SECTION)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
