@@ -130,13 +130,22 @@ def _precision(cfg: Config, layout: MeshLayout):
     return None, dtype
 
 
+def build_shapes(model_cfg, vocab_size: int):
+    """The model's shapes (built under a meta device by the caller). Memory does not depend on the weights' values: a
+    model from elsewhere is built from its config.json alone, no weight file looked for, so a layout is estimated
+    before its weights are downloaded."""
+    if hasattr(model_cfg, "hf_pretrained"):
+        model_cfg = dataclasses.replace(model_cfg, hf_pretrained=False)
+    return build_model(model_cfg, vocab_size)
+
+
 def _held(cfg: Config, layout: MeshLayout, vocab_size: int, mesh) -> tuple[list[list[str]], list[tuple]]:
     """The stages (their parts' names) and per pipeline rank: (its stages, parameter elements it holds, those of them
     that train (LoRA: the adapters only), elements FSDP2 gathers whole at once, gradient bytes per part): two blocks
     (one computing, one prefetched) and the root's own parameters (embeddings, final norm, head), which its group
     gathers for the forward and again from the start of backward to its end)."""
     with torch.device("meta"):
-        model = build_model(cfg.model, vocab_size)
+        model = build_shapes(cfg.model, vocab_size)
     plan = _stage_plan(cfg, model, layout)
     V = len(plan) // layout.pp
     out = []
@@ -166,7 +175,7 @@ def _activations(cfg: Config, layout: MeshLayout, vocab_size: int, mesh, sample,
     p = cfg.parallel
     micro = max(1, cfg.train.batch_size // (p.microbatches if layout.pp > 1 else 1))
     with torch.device("meta"):
-        model = build_model(model_cfg, vocab_size)
+        model = build_shapes(model_cfg, vocab_size)
     policy, autocast = _precision(cfg, layout)
     blocks = block_names(model)
     cut = MeshLayout(dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp)
