@@ -109,10 +109,14 @@ class Stepper:
             if n not in self._counts:  # a fill on the device (not a copy of a host tensor), kept: the size is fixed
                 self._counts[n] = torch.full((), n, dtype=torch.int64, device=device)
             return self._counts[n]
-        local = torch.full((1,), sum(valid_on_host(targets(b)) for b in micro), dtype=torch.int64, device=device)
-        # Every process reads a batch; those that read the same one (tensor-parallel and pipeline peers) count it
-        # again: world / dp_size copies of each data-parallel rank's count.
-        total = all_reduce_small(local, torch.distributed.ReduceOp.SUM, device)
+        return self._over_ranks(sum(valid_on_host(targets(b)) for b in micro))
+
+    def _over_ranks(self, n: int) -> torch.Tensor:
+        """A count each rank made of its own batches, summed over the data-parallel ranks, on the device (a collective).
+        Every process reads a batch; those that read the same one (tensor-parallel and pipeline peers) count it again:
+        world / dp_size copies of each data-parallel rank's count."""
+        device = self.engine.device
+        total = all_reduce_small(torch.full((1,), n, dtype=torch.int64, device=device), torch.distributed.ReduceOp.SUM, device)
         return total[0] * self.engine.dp_size // self.world
 
     def _unscale_and_clip(self) -> torch.Tensor | None:
@@ -161,11 +165,9 @@ class Stepper:
         return torch_optimizer(self.engine.optimizer)
 
     def over_ranks(self, n: int) -> int:
-        """A count each rank made of its own batches (throughput), summed over the data-parallel ranks. A collective."""
-        total = all_reduce_small(
-            torch.full((1,), n, dtype=torch.int64, device=self.engine.device), torch.distributed.ReduceOp.SUM, self.engine.device
-        )
-        return int(total[0]) * self.engine.dp_size // self.world  # tensor-parallel and pipeline peers read the same batch
+        """A count each rank made of its own batches (throughput), summed over the data-parallel ranks, read on the host
+        (log steps only). A collective."""
+        return int(self._over_ranks(n))
 
     def mean_loss(self, result: StepResult) -> torch.Tensor:
         """The step's loss per valid token over all ranks, for logging. A collective."""

@@ -31,15 +31,6 @@ import torch
 
 from parallel_train.losses import IGNORE_INDEX, loss_sum, valid_on_host
 
-# Every task model.task may name (config/model.py lists them as its choices); tasks/registry.py holds the Task of each.
-TASK_NAMES = (
-    "causal-lm",
-    "sequence-classification",
-    "token-classification",
-    "masked-lm",
-    "seq2seq",
-    "image-classification",
-)
 DEFAULT = "causal-lm"
 # The transformers Auto class of each task, for the models (floor 1, below tasks/registry.py): each task module's
 # `auto_class`, which tests/test_structure.py checks against this table.
@@ -51,6 +42,8 @@ AUTO_CLASSES = {
     "seq2seq": "AutoModelForSeq2SeqLM",
     "image-classification": "AutoModelForImageClassification",
 }
+# Every task model.task may name (config/model.py lists them as its choices); tasks/registry.py holds the Task of each.
+TASK_NAMES = tuple(AUTO_CLASSES)
 
 
 @dataclass(frozen=True)
@@ -89,13 +82,13 @@ def units_in(task: Task, batch) -> int:
     """What throughput counts in a batch, on the host from the CPU batch (no device read: step.py): its samples for a
     task judged per sample (units "samples"), else its tokens that are not padding: the attention mask's sum where the
     batch has one, else the labels that count (a tuple's targets). A label column is never counted as tokens."""
+    labels = batch["labels"] if isinstance(batch, Mapping) else batch[1]  # data/batch.py's targets (a floor above)
     if task.units == "samples":
-        labels = batch["labels"] if isinstance(batch, Mapping) else batch[1]
         return len(labels)
     mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
     if mask is not None:
         return int(mask.numpy().sum()) if mask.device.type == "cpu" else int(mask.sum())
-    return valid_on_host(batch["labels"] if isinstance(batch, Mapping) else batch[1])
+    return valid_on_host(labels)
 
 
 class Aligned:
