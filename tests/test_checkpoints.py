@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import PYTHON, TINY, TORCHRUN, check, free_port, launch_env, run, summary, train_losses, warm_cmd, warm_script
+from helpers import PYTHON, TINY, WarmCmd, check, launch_env, run, summary, train_losses, warm_cmd, warm_script
 from parallel_train import faults
 from parallel_train.checkpoint import checkpointer
 from parallel_train.checkpoint.export import index_files, load_weights, whole_tensor
@@ -67,7 +67,7 @@ def test_fsdp2_and_tensor_parallel_checkpoints_written_by_each_rank_load_on_one_
     from fsdp_worker import ADAM, build, tensor_parallel_mlp
 
     out = tmp_path / "fsdp"
-    cmd = [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()), "tests/fsdp_worker.py", str(out)]
+    cmd = WarmCmd(2, "tests/fsdp_worker.py", (str(out),))  # 2 ranks forked warm (tests/warm_launcher.py)
     result = check(run(cmd, env=launch_env(tmp_path), timeout=300))
     assert "fsdp rank 0/2 ok" in result.stdout and "tensor parallel rank 1/2 ok" in result.stdout
     optimizer = load_on_one_process(out / "sync" / checkpointer.checkpoint_name(2), build(seed=3), out / "expected.safetensors")

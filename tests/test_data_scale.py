@@ -67,7 +67,7 @@ def prepared_runs(data, tmp_path_factory):
     env, path = launch_env(tmp), f"data.path={data / 'prepared'}"
     out = {name: tmp / name for name in ("single", "ddp", "accum", "resumed")}
     logs = {"single": check(run(warm_cmd(1, *GLOBAL8, path, "train.batch_size=8", f"output_dir={out['single']}"), env=env))}
-    check(run(accelerate_cmd("multi_cpu", *GLOBAL8, path, "train.batch_size=4", f"output_dir={out['ddp']}"), env=env))
+    check(run(warm_cmd(2, *GLOBAL8, path, "train.batch_size=4", f"output_dir={out['ddp']}"), env=env))
     check(
         run(warm_cmd(1, *GLOBAL8, path, "train.batch_size=2", "train.gradient_accumulation_steps=4", f"output_dir={out['accum']}"), env=env)
     )

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 import hf_tiny
-from helpers import TORCHRUN, check, free_port, launch_env, run, summary, train_losses, warm_cmd, warm_script
+from helpers import WarmCmd, check, launch_env, run, summary, train_losses, warm_cmd, warm_script
 from parallel_train import faults
 from parallel_train.checkpoint.export import load_weights
 from parallel_train.errors import UserError
@@ -365,8 +365,8 @@ def test_sigkill_then_resume_is_bit_identical(folders, reference):
 def test_fsdp2_and_tensor_parallel_on_cpu(folders, tmp_path):
     """fully_shard over each decoder layer then the root (Llama, GPT-2), and the Llama cut by its own tensor-parallel
     plan, on gloo: see tests/hf_sharding_worker.py for the checks."""
-    cmd = [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()), "tests/hf_sharding_worker.py"]
-    result = check(run([*cmd, str(folders["llama"]), str(folders["gpt2"])], env=launch_env(tmp_path), timeout=300))
+    cmd = WarmCmd(2, "tests/hf_sharding_worker.py", (str(folders["llama"]), str(folders["gpt2"])))  # 2 ranks forked warm
+    result = check(run(cmd, env=launch_env(tmp_path), timeout=300))
     for what in ("fsdp llama", "fsdp gpt2", "tp llama"):
         assert all(f"hf {what} rank {r}/2 ok" in result.stdout for r in (0, 1)), result.output[-2000:]
 

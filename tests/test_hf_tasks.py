@@ -190,6 +190,8 @@ def classifier_runs(folders, tmp_path_factory):
     }
 
 
+# slow: a second launch of the path tests/test_recipes.py's nlp_example runs by default (1 process, DDP, FSDP2, export)
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_sequence_classification_is_the_same_on_one_process_ddp_and_fsdp2(classifier_runs):
     (ref, log), *others = classifier_runs.values()
@@ -203,6 +205,7 @@ def test_sequence_classification_is_the_same_on_one_process_ddp_and_fsdp2(classi
         assert summary(out)["final_val_loss"] == pytest.approx(summary(ref)["final_val_loss"], abs=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_the_classifier_export_reloads_with_its_class_names_and_the_runs_logits(folders, classifier_runs, tmp_path):
     """output_dir/hf loads with AutoModelForSequenceClassification, id2label the run's class names, and gives the logits of

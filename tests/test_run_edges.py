@@ -361,7 +361,7 @@ def test_ranks_agree_on_one_resume_and_on_a_full_disk(tmp_path):
        step 3 for both (before, rank 1 would have started from step 0 and the ranks would have hung).
     3. rank 1 cannot read the files of the chosen checkpoint (step 6): one line names rank 1 and the file."""
     out, env = tmp_path / "run", launch_env(tmp_path)
-    full = run(torchrun_cmd(2, *TINY, "checkpoint.async=true", f"output_dir={out}"), env={**env, faults.ENV: "enospc@6:rank=1"})
+    full = run(warm_cmd(2, *TINY, "checkpoint.async=true", f"output_dir={out}"), env={**env, faults.ENV: "enospc@6:rank=1"})
     errors_ = [line for line in full.stderr.splitlines() if line.startswith("error:")]
     assert full.returncode != 0 and len(errors_) == 1, full.output[-3000:]
     assert errors_[0].startswith(
@@ -370,11 +370,11 @@ def test_ranks_agree_on_one_resume_and_on_a_full_disk(tmp_path):
     root = out / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["step_0000003"] and verify(root / "step_0000003") is None
 
-    resumed = check(run(torchrun_cmd(2, *TINY, f"output_dir={out}"), env={**env, faults.ENV: "stale_listing@3:rank=1"}))
+    resumed = check(run(warm_cmd(2, *TINY, f"output_dir={out}"), env={**env, faults.ENV: "stale_listing@3:rank=1"}))
     assert f"resumed from {root / 'step_0000003'} at step 3" in resumed.output
     assert [r["step"] for r in read_metrics(out) if r["kind"] == "train"] == list(range(1, 7))
 
-    blind = run(torchrun_cmd(2, *TINY, "train.max_steps=8", f"output_dir={out}"), env={**env, faults.ENV: "unreadable@6:rank=1"})
+    blind = run(warm_cmd(2, *TINY, "train.max_steps=8", f"output_dir={out}"), env={**env, faults.ENV: "unreadable@6:rank=1"})
     errors_ = [line for line in blind.stderr.splitlines() if line.startswith("error:")]
     assert blind.returncode != 0 and len(errors_) == 1, blind.output[-3000:]
     assert errors_[0].startswith("error: rank 1 (host ") and f"cannot read {root / 'step_0000006'}/" in errors_[0]

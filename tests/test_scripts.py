@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY, accelerate_cmd, check, launch_env, run, train_cmd, warm_cmd, warm_script
+from helpers import TINY, check, launch_env, run, train_cmd, warm_cmd, warm_script
 from parallel_train.config.fields import key_name
 from parallel_train.config.sections import REPO_ROOT, Config
 
@@ -27,7 +27,7 @@ def runs(tmp_path_factory):
     env = launch_env(tmp)
     out = {"ddp": tmp / "ddp", "pipeline": tmp / "pipeline"}
     # data.num_workers=3 on a 2-core machine: torch warns at every DataLoader of every rank (4 times here).
-    ddp = accelerate_cmd("multi_cpu", *TINY, "train.log_interval=2", "data.num_workers=3", f"output_dir={out['ddp']}")
+    ddp = warm_cmd(2, *TINY, "train.log_interval=2", "data.num_workers=3", f"output_dir={out['ddp']}")
     logs = {"ddp": check(run(ddp, env=env))}
     check(run(warm_cmd(2, *TINY, "parallel.pipeline_stages=2", "parallel.microbatches=2", f"output_dir={out['pipeline']}"), env=env))
     return out, logs, env

@@ -126,7 +126,7 @@ def test_tensorboard_holds_the_same_metrics_as_metrics_jsonl(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "run"
-    check(run(accelerate_cmd("multi_cpu", *FEW, "tracker=tensorboard", f"output_dir={out}"), env=launch_env(tmp_path)))
+    check(run(warm_cmd(2, *FEW, "tracker=tensorboard", f"output_dir={out}"), env=launch_env(tmp_path)))
     assert RUN_FILES | {"tensorboard"} == {p.name for p in out.iterdir()}
     event_files = list((out / "tensorboard").glob("events.out.tfevents.*"))
     assert len(event_files) == 1, event_files  # one writer: the main process
