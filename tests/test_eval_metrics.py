@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -213,3 +214,18 @@ def test_a_user_metric_on_a_tiny_run_reaches_metrics_jsonl_and_summary(tmp_path)
     assert final == {k: v for k, v in evals[-1].items() if k.startswith("val_")}
     assert f"val exact_match {final['val_exact_match']:.4f}" in result.output
     assert json.loads((out / "summary.json").read_text())["final_val_loss"] == final["val_loss"]  # val loss read as before
+
+
+def test_a_metric_that_raises_on_the_last_stage_alone_stops_every_rank_at_once(tmp_path):
+    """In a 2-stage pipeline only the last stage's rank holds logits, so only it runs the metric; its error travels in the
+    evaluation's gather and both ranks stop with the one line, printed once (before, rank 1 died alone and rank 0
+    reported a failed collective beside it; where the peer's socket stays open, it would wait out parallel.timeout_s)."""
+    (tmp_path / "bad.py").write_text("def bad(logits, labels):\n    raise ValueError('no labels like these')\n")
+    keys = (*TINY, "parallel.pipeline_stages=2", "parallel.timeout_s=120", "train.max_steps=2", "eval.interval=1", "eval.iters=1")
+    started = time.monotonic()
+    result = run(warm_cmd(2, *keys, f"eval.metric={tmp_path}/bad.py:bad", f"output_dir={tmp_path / 'run'}"), env=launch_env(tmp_path))
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 and time.monotonic() - started < 60, result.output[-3000:]
+    assert errors == [
+        "error: eval.metric: bad(logits, labels) raised ValueError: no labels like these (bad.py line 2); fix the function"
+    ], errors

@@ -230,8 +230,15 @@ def load_file(path: Path):
 
 
 def checked_stats(stats: Callable, name: str, needs_ratio: bool, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The user's statistics, checked for the shape every metric's stats have."""
-    out = stats(logits, targets)
+    """The user's statistics, checked for the shape every metric's stats have; whatever the function raises is one line
+    that names it and its line (evaluation.py has every rank stop with it)."""
+    try:
+        out = stats(logits, targets)
+    except Exception as e:  # the user's code: any exception
+        code = stats.__code__
+        lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == code.co_filename]
+        where = f"{Path(code.co_filename).name} line {lines[-1] if lines else code.co_firstlineno}"
+        raise UserError(f"eval.metric: {name}(logits, labels) raised {type(e).__name__}: {e} ({where}); fix the function") from None
     columns = 2 if needs_ratio else 1
     if not (isinstance(out, torch.Tensor) and out.dim() == 2 and out.shape[0] == targets.shape[0] and out.shape[1] >= columns):
         got = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__

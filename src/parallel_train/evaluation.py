@@ -10,7 +10,9 @@ Every rank runs as many forwards, because a forward may be a collective (FSDP2 a
 all-reduces, pipeline stages send to each other); a rank whose slice is empty (a global batch smaller than the
 data-parallel size) runs one sample and counts nothing. Only the ranks that hold the model's output report it
 (`engine.eval_forward` returns None elsewhere: tensor-parallel peers compute the same logits, and only the
-last pipeline stage has them).
+last pipeline stage has them). A metric that fails does so on those ranks alone (a user's metric, eval.metric): the
+rank keeps running the forwards the others wait on, and its one-line error travels in the gather at the end, so every
+rank stops with that line at once (else the others report a failed collective, or wait out parallel.timeout_s).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from parallel_train.data.batch import parts, rows, size
+from parallel_train.errors import UserError
 from parallel_train.eval_metrics import Metric, add_stats, add_totals, metric_stats, metric_values
 from parallel_train.losses import logits_of
 from parallel_train.parallel.collectives import all_gather
@@ -35,21 +38,28 @@ def evaluate(engine, val_batches, metrics: dict[str, Metric]) -> dict[str, float
     """Each of `metrics` ("loss" first: eval_metrics.chosen_metrics) over the validation set. A collective: every
     rank calls it."""
     engine.set_training(False)
-    totals = None
+    totals, failed = None, None
     for batch in val_batches:
         lo, hi = rank_slice(size(batch), engine.dp_size, engine.dp_rank)
         empty = hi == lo
         xs, ys, kwargs = parts(rows(batch, 0, 1) if empty else rows(batch, lo, hi))
         logits = engine.eval_forward(xs, **kwargs)
-        if logits is not None and not empty:
-            totals = add_stats(totals, metric_stats(logits_of(logits), ys, metrics))
+        if logits is not None and not empty and failed is None:
+            try:
+                totals = add_stats(totals, metric_stats(logits_of(logits), ys, metrics))
+            except UserError as e:  # said by every rank after the gather (module docstring)
+                failed = str(e)
     engine.set_training(True)
-    return metric_values(sum_over_ranks(totals), metrics)
+    return metric_values(sum_over_ranks(totals, failed), metrics)
 
 
-def sum_over_ranks(totals: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-    """Every rank's summed statistics added up (ranks without any add nothing): a few numbers per rank."""
-    parts = all_gather({k: v.cpu() for k, v in totals.items()} if totals is not None else None)
+def sum_over_ranks(totals: dict[str, torch.Tensor] | None, failed: str | None = None) -> dict[str, torch.Tensor]:
+    """Every rank's summed statistics added up (ranks without any add nothing): a few numbers per rank. `failed`: this
+    rank's metric error, raised on every rank once all have gathered."""
+    parts = all_gather(failed if failed is not None else {k: v.cpu() for k, v in totals.items()} if totals is not None else None)
+    errors = [part for part in parts if isinstance(part, str)]
+    if errors:
+        raise UserError(errors[0])
     summed = None
     for part in filter(None, parts):
         summed = add_totals(summed, part)
