@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from helpers import ACCELERATE, PYTHON, REPO, TORCHRUN, check, free_port, launch_env, run, run_together
+from helpers import ACCELERATE, PYTHON, REPO, WarmCmd, check, free_port, launch_env, run, run_together
 
 SCRIPT = str(REPO / "scripts" / "check_env.py")
 
@@ -88,9 +88,10 @@ def test_two_ranks_table_allreduce_and_version_mismatch(tmp_path):
         assert b["time_us"] > 0 and b["busbw_GBps"] == pytest.approx(b["algbw_GBps"])
     assert r.stdout.count("[check_env] 2 rank(s) on 1 host(s)") == 1 and "lo -> lo 127.0.0.1" in r.stdout
 
-    # torchrun, rank 1 pretends to run another torch: rank 0 names it and every rank exits 1.
+    # Rank 1 pretends to run another torch: rank 0 names it and every rank exits 1 (2 ranks forked warm, as torchrun
+    # would start them: the launch itself was shown above).
     fake = launch_env(tmp_path, PARALLEL_TRAIN_CHECK_ENV_FAKE="1:torch=0.0.0-fake")
-    r = run([TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()), SCRIPT, "--no-bench"], env=fake, timeout=240)
+    r = run(WarmCmd(2, "scripts/check_env.py", ("--no-bench",)), env=fake, timeout=240)
     assert r.returncode != 0
     assert "FAIL version mismatch: torch differs across ranks: rank 1 (" in r.stdout and "has 0.0.0-fake" in r.stdout
     assert "FAILED: fix the problems above" in r.stdout
