@@ -137,6 +137,39 @@ def check_loss_parallel(reference: HFCausalLM, plan: dict, mesh, world: int) -> 
     torch.testing.assert_close(loss.full_tensor(), want, rtol=1e-5, atol=1e-5)
     grad = cut.model.layers[0].self_attn.q_proj.weight.grad
     torch.testing.assert_close(to_full(grad), reference.model.layers[0].self_attn.q_proj.weight.grad, rtol=1e-4, atol=1e-5)
+    check_metrics_on_shards(cut, reference, batch)
+
+
+def check_metrics_on_shards(cut, reference: HFCausalLM, batch: torch.Tensor) -> None:
+    """Evaluation under loss parallel (parallel/vocab_metrics.py): loss and accuracy from the logits cut by vocabulary
+    equal those of the whole logits (a tie across the two slices included: the lower index wins, as argmax's), and
+    nothing gathers them whole; another metric gets them gathered once."""
+    from torch.distributed.tensor import DTensor
+
+    from parallel_train.eval_metrics import TASK_METRICS, Metric, metric_stats
+    from parallel_train.parallel.vocab_metrics import cut_by_vocabulary, stats_on_shards
+
+    x, y = batch[:, :-1], batch[:, 1:].clone()
+    y[0, 1:4] = -100  # targets that count nowhere
+    y[0, 0] = 0  # the tied row below: right only if the lower index wins
+    with torch.no_grad():
+        logits, whole = cut(x), reference(x)
+    local = logits.to_local()  # this rank's slice (the DTensor's own storage)
+    local[0, 0, 0] = 50.0  # the row's maximum on both slices: vocabulary index 0 (rank 0) and V/2 (rank 1)
+    whole[0, 0, 0] = whole[0, 0, local.shape[-1]] = 50.0
+    assert cut_by_vocabulary(logits) and not cut_by_vocabulary(whole)
+    metrics = {name: TASK_METRICS[name] for name in ("loss", "perplexity", "accuracy")}
+    gather = DTensor.full_tensor
+    DTensor.full_tensor = None  # any whole gather fails here
+    try:
+        got = stats_on_shards(logits, y, metrics)
+    finally:
+        DTensor.full_tensor = gather
+    want = metric_stats(whole, y, metrics)
+    for name in metrics:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5, msg=name)
+    mine = {"mine": Metric(lambda lg, t: torch.ones(t.shape[0], 2) * lg.shape[-1], lambda totals: totals[0])}
+    assert stats_on_shards(logits, y, mine)["mine"][0, 0] == whole.shape[-1]  # gathered whole for a metric of its own
 
 
 def main() -> None:

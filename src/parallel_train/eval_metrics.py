@@ -53,8 +53,12 @@ def f1(found: float, predicted: float, gold: float) -> float | None:
 
 def loss_stats(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """(sample's summed token loss, its valid targets): their ratio of sums is the loss per token."""
-    losses = token_losses(logits, targets).reshape(targets.shape[0], -1)
-    real = (targets != IGNORE_INDEX).reshape(targets.shape[0], -1)
+    return per_sample_losses(token_losses(logits, targets), targets)
+
+
+def per_sample_losses(losses: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """loss_stats from the token losses (shaped like `targets`), however they were computed."""
+    losses, real = losses.reshape(targets.shape[0], -1), (targets != IGNORE_INDEX).reshape(targets.shape[0], -1)
     return torch.stack([losses.sum(dim=1), real.sum(dim=1).to(losses.dtype)], dim=1)
 
 
@@ -66,8 +70,13 @@ def perplexity(totals: list[float]) -> float | None:
 
 def accuracy_stats(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """(correct predictions, real targets) per sample: their ratio of sums is the accuracy over all targets."""
+    return per_sample_correct(logits.argmax(dim=-1), targets)
+
+
+def per_sample_correct(predicted: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """accuracy_stats from the predicted classes (shaped like `targets`), however they were found."""
     real = (targets != IGNORE_INDEX).reshape(targets.shape[0], -1)
-    correct = (logits.argmax(dim=-1) == targets).reshape(targets.shape[0], -1) & real
+    correct = (predicted == targets).reshape(targets.shape[0], -1) & real
     return torch.stack([correct.sum(dim=1), real.sum(dim=1)], dim=1)
 
 
@@ -256,10 +265,15 @@ def checked_stats(stats: Callable, name: str, needs_ratio: bool, logits: torch.T
 def metric_stats(logits: torch.Tensor, targets: torch.Tensor, metrics: dict[str, Metric]) -> dict[str, torch.Tensor]:
     """Every metric's per-sample statistics: {name: (batch, K)}, float64 so that sums stay exact. Statistics two
     metrics share (loss and perplexity) are computed once."""
-    targets, computed = targets.to(logits.device), {}
+    return stats_by(lambda stats: stats(logits, targets.to(logits.device)), metrics)
+
+
+def stats_by(compute: Callable[[Callable], torch.Tensor], metrics: dict[str, Metric]) -> dict[str, torch.Tensor]:
+    """{name: compute(metric.stats) in float64}, each distinct stats function computed once."""
+    computed = {}
     for metric in metrics.values():
         if metric.stats not in computed:
-            computed[metric.stats] = metric.stats(logits, targets).to(torch.float64)
+            computed[metric.stats] = compute(metric.stats).to(torch.float64)
     return {name: computed[metric.stats] for name, metric in metrics.items()}
 
 

@@ -10,7 +10,8 @@ Every rank runs as many forwards, because a forward may be a collective (FSDP2 a
 all-reduces, pipeline stages send to each other); a rank whose slice is empty (a global batch smaller than the
 data-parallel size) runs one sample and counts nothing. Only the ranks that hold the model's output report it
 (`engine.eval_forward` returns None elsewhere: tensor-parallel peers compute the same logits, and only the
-last pipeline stage has them). A metric that fails does so on those ranks alone (a user's metric, eval.metric): the
+last pipeline stage has them). Under loss parallel the logits stay cut by vocabulary: every tensor-parallel rank
+gets its slice and the metrics run on the slices (parallel/vocab_metrics.py), counted once (`engine.loss_owner`). A metric that fails does so on those ranks alone (a user's metric, eval.metric): the
 rank keeps running the forwards the others wait on, and its one-line error travels in the gather at the end, so every
 rank stops with that line at once (else the others report a failed collective, or wait out parallel.timeout_s).
 """
@@ -24,6 +25,7 @@ from parallel_train.errors import UserError
 from parallel_train.eval_metrics import Metric, add_stats, add_totals, metric_stats, metric_values
 from parallel_train.losses import logits_of
 from parallel_train.parallel.collectives import all_gather
+from parallel_train.parallel.vocab_metrics import cut_by_vocabulary, stats_on_shards
 
 
 def rank_slice(n: int, dp_size: int, dp_rank: int) -> tuple[int, int]:
@@ -45,10 +47,13 @@ def evaluate(engine, val_batches, metrics: dict[str, Metric]) -> dict[str, float
         xs, ys, kwargs = parts(rows(batch, 0, 1) if empty else rows(batch, lo, hi))
         logits = engine.eval_forward(xs, **kwargs)
         if logits is not None and not empty and failed is None:
-            try:
-                totals = add_stats(totals, metric_stats(logits_of(logits), ys, metrics))
+            logits = logits_of(logits)
+            try:  # logits cut by vocabulary (loss parallel): every tensor-parallel rank computes, one counts
+                stats = stats_on_shards(logits, ys, metrics) if cut_by_vocabulary(logits) else metric_stats(logits, ys, metrics)
             except UserError as e:  # said by every rank after the gather (module docstring)
                 failed = str(e)
+            else:
+                totals = add_stats(totals, stats) if engine.loss_owner else totals
     engine.set_training(True)
     return metric_values(sum_over_ranks(totals, failed), metrics)
 

@@ -50,7 +50,8 @@ class Engine(Protocol):
 
     def eval_forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor | None:
         """Logits for inputs `x` (kwargs: a packed batch's positions, data/batch.py) where this rank reports them, None
-        elsewhere. A collective on sharded models."""
+        elsewhere; logits cut by vocabulary (loss parallel) on every tensor-parallel rank of the holder, each its slice
+        (evaluation.py counts `loss_owner`'s). A collective on sharded models."""
         ...
 
     def set_training(self, on: bool) -> None:

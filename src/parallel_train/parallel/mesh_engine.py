@@ -108,12 +108,12 @@ class MeshEngine:
         return clip_grad_norm(self.params, max_norm)
 
     def eval_forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor | None:
-        """Every rank runs the forward (FSDP all-gathers, TP all-reduces); tensor-parallel rank 0 reports."""
+        """Every rank runs the forward (FSDP all-gathers, TP all-reduces); tensor-parallel rank 0 reports. Under loss
+        parallel every tensor-parallel rank gets its slice of the logits, cut by vocabulary: the metrics run on the
+        slices, never gathering the whole (parallel/vocab_metrics.py)."""
         with self.precision.autocast(self.autocast):
             logits = self.model(x.to(self.device), **{k: v.to(self.device) for k, v in kwargs.items()})
-        if self.loss_parallel:  # every metric sees whole logits: gathered here, for one evaluation batch (no gradients)
-            logits = logits.full_tensor()
-        return logits if self.tp_rank == 0 else None
+        return logits if self.tp_rank == 0 or self.loss_parallel else None
 
     def set_training(self, on: bool) -> None:
         self.model.train(on)
