@@ -4,6 +4,7 @@
 # paths. Second launches include tests/test_dict_batches.py's one layout per launch (the default suite composes them:
 # FSDP2 x TP, DDP x the one-process pipeline) and its Hub decoder on padded dicts under DDP, FSDP2, TP and FSDP2 x TP,
 # and tests/test_recipes.py's seq2seq on 1 and 2 processes (its masked-LM twin runs that path by default).
+# Paths only they reach include a Hub Llama in pipeline stages x tensor parallel (4 processes; tests/test_hf_models.py).
 # It takes the README's test set-up (.venv with requirements-dev.txt); extra arguments go to pytest.
 #
 #   bash scripts/ci_slow.sh                 every slow test

@@ -376,6 +376,7 @@ def test_fsdp2_and_tensor_parallel_on_cpu(folders, tmp_path):
 # would blow float noise in near-zero gradients up into full steps), losses and weights within 1e-5 relative.
 MESH_SGD = ("train.gradient_accumulation_steps=2", "train.optimizer=sgd", "train.learning_rate=0.5")
 MESH_LAUNCHES = {"ref": (1, ()), "fsdp2": (2, ("train.batch_size=2", "parallel.dp_shard=2")), "tp2": (2, ("parallel.tp=2",))}
+MESH_LAUNCHES["tp2_pp2"] = (4, ("parallel.tp=2", "parallel.pipeline_stages=2", "parallel.microbatches=2", "parallel.schedule=1f1b"))
 
 
 @pytest.fixture(scope="module")
@@ -415,6 +416,17 @@ def test_llama_fsdp2_on_2_ranks_shards_each_decoder_layer_and_equals_one_process
 def test_llama_tensor_parallel_on_2_ranks_by_its_own_plan_equals_one_process(mesh_runs):
     out, log = mesh_runs("tp2")
     assert "device mesh (tensor parallel" in log and "sequence parallel and loss parallel" in log
+    assert_same_as_mesh_reference(out, mesh_runs("ref")[0])
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_llama_in_pipeline_stages_under_tensor_parallel_runs_sequence_and_loss_parallel_and_equals_one_process(mesh_runs):
+    """2 stages x tp 2 (4 processes): each stage cut like the whole model, sequence parallel between its regions (a
+    stage sends 1/tp of the sequence) and the last stage's loss on vocabulary shards; the same training as one process."""
+    out, log = mesh_runs("tp2_pp2")
+    assert "schedule 1f1b, 2 micro-batches x 2 accumulation = 4 per step" in log, log[-3000:]
+    assert "mesh pp 2 x tp 2" in log and "; sequence parallel and loss parallel" in log, log[-3000:]
     assert_same_as_mesh_reference(out, mesh_runs("ref")[0])
 
 

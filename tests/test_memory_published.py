@@ -204,3 +204,25 @@ def test_the_70b_layout_in_performance_md_is_what_the_estimator_says(tmp_path):
     assert f": fits (largest rank {figure}" in result.stdout, (figure, result.stdout[-1500:])
     # its own mode is full: the "with full checkpointing" figure is the same number (it was 61.78 against 62.78)
     assert f"with model.activation_checkpointing=full: fits ({figure})" in result.stdout, (figure, result.stdout[-1500:])
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_a_pipeline_stage_under_tensor_parallel_receives_its_sequence_shard(tmp_path, model):
+    """Sequence parallel inside pipeline stages (pp 2 x tp 2, 2 micro-batches of 2): what stage 1 receives, and so each
+    of torch's receive buffers (one per micro-batch, for the input and for its gradient), is (B/M, T/tp, H), measured
+    on the stages cut by the run's own code. GPT's plan handed on local shards before; the Hub Llama's now does too."""
+    keys = ["train.batch_size=4", "parallel.tp=2", "parallel.pipeline_stages=2", "parallel.microbatches=2", "parallel.schedule=1f1b"]
+    if model == "gpt":
+        cfg, _ = load_config([*GPT, *keys])
+        width, length = 64, 64
+    else:
+        folder = llama_folder(tmp_path, "tiny")
+        cfg, _ = load_config(
+            ["model.name=hf", "model.hf_pretrained=false", f"model.hf_path={folder}", "model.vocab_size=128256"]
+            + ["data.path=synthetic", "model.block_size=16", *keys]
+        )
+        width, length = LLAMA["tiny"][0], 16
+    data = load_data(cfg)
+    _, ranks = estimate(cfg, 4, data.vocab_size, data.train_set[0])
+    shard = 2 * (length // 2) * width * 4  # one micro-batch's (B/M, T/tp, H) in fp32
+    assert [r.stage_buffers for r in ranks] == [2 * shard, 2 * shard], (ranks[0].stage_buffers, shard)
