@@ -186,7 +186,14 @@ class MultiProcessPipelineEngine:
         self._scale, self._sums = torch.ones((), device=self.device), []  # this step's loss scale; its summed losses
         self.schedule = self._make_schedule(self.M, p.schedule, timed=True)
 
-        self.name = (
+        self.name = self._banner(total, sequence_parallel)
+        places = [f"rank {self.where[i]}" for i in range(S * V)]
+        accelerator.print(f"[parallel_train] pipeline split: {describe_stages(model, plan, places, measure.seconds)}")
+
+    def _banner(self, total: int, sequence_parallel: bool) -> str:
+        p, S, V, A = self.cfg.parallel, self.S, self.V, self.cfg.train.gradient_accumulation_steps
+        M, layout = p.microbatches, self.layout
+        return (
             f"multi-process pipeline (executor 2, torch.distributed.pipelining): {S} stage ranks"
             + (f" x {V} {'V-shaped' if p.schedule in V_SHAPED else 'interleaved'} stages each" if V > 1 else "")
             + f", schedule {p.schedule}, {M} micro-batches"
@@ -195,8 +202,6 @@ class MultiProcessPipelineEngine:
             + share_line(layout, self.local_numel, total)
             + cuts_line(sequence_parallel, self.loss_parallel)
         )
-        places = [f"rank {self.where[i]}" for i in range(S * V)]
-        accelerator.print(f"[parallel_train] pipeline split: {describe_stages(model, plan, places, measure.seconds)}")
 
     def _make_schedule(self, n_microbatches: int, name: str, timed: bool = False):
         """Stages over this rank's modules and the named schedule (scale_grads=False: see the module docstring)."""
