@@ -180,10 +180,14 @@ def test_sharding_engines_get_the_decoder_layers_and_the_tp_plan(folders):
     assert isinstance(plan["model.layers.0.mlp.down_proj"], RowwiseParallel) and isinstance(plan["model.embed_tokens"], RowwiseParallel)
     assert type(plan["model.norm"]).__name__ == type(plan["model.layers.1.post_attention_layernorm"]).__name__ == "SequenceParallel"
     assert plan["model.layers.0.mlp.down_proj"].output_layouts[0].is_shard(1) and plan["lm_head"].input_layouts[0].is_shard(1)
-    stage = stage_module(llama, plan_stages(llama, 2)[1])
-    stage_plan = stage.tensor_parallel_plan(2)  # a pipeline stage: tensor parallel without sequence parallel
+    # between the regions plain local (B, T/tp, H) tensors (torchtitan's plan): what a pipeline stage can send
+    assert plan["model.embed_tokens"].use_local_output and plan["model.layers.0.self_attn.o_proj"].use_local_output
+    first, last = (stage_module(llama, names) for names in plan_stages(llama, 2))
+    first_plan, stage_plan = first.tensor_parallel_plan(2), last.tensor_parallel_plan(2)  # each stage: the same plan, its parts
     assert sorted({name.split(".")[2] for name in stage_plan if name.startswith("model.layers.")}) == ["1"]
-    assert len(stage_plan) == 1 + 7 and "model.norm" not in stage_plan
+    assert len(stage_plan) == 2 + 11 and type(stage_plan["model.norm"]).__name__ == "SequenceParallel"
+    assert stage_plan["lm_head"].input_layouts[0].is_shard(1) and len(first_plan) == 1 + 11
+    assert first_plan["model.embed_tokens"].output_layouts[0].is_shard(1)
     with pytest.raises(UserError, match="parallel.tp=3 does not divide the 4 attention heads and 2 key/value heads"):
         llama.tensor_parallel_plan(3)
     with pytest.raises(UserError, match="ties lm_head to its input embedding.*set model.untie_embeddings=true"):

@@ -108,11 +108,17 @@ def sequence_parallel_fits(whole: nn.Module, hf_plan: dict[str, str]) -> bool:
 
 def sequence_shards(layer: nn.Module) -> int:
     """How many ranks a decoder layer's input sequence is cut over: tp where this plan's SequenceParallel holds its
-    input norm (its weight replicated over the "tp" mesh axis), else 1. Read from the module as it was cut, so it is
-    what the run does, whole model or pipeline stage."""
+    input norm (SequenceParallel replicates its weight over the tensor-parallel mesh), else 1. Read from the module as
+    it was cut, so it is what the run does, whole model or pipeline stage. The run's meshes are named (parallel/mesh.py:
+    the "tp" axis; FSDP2's data-parallel axes have other names); an unnamed 1-D mesh (one built by hand for
+    `parallelize_module`) is taken as the tensor-parallel one."""
     weight = getattr(getattr(layer, "input_layernorm", None), "weight", None)
     mesh = getattr(weight, "device_mesh", None)
-    return mesh["tp"].size() if mesh is not None and "tp" in (mesh.mesh_dim_names or ()) else 1
+    if mesh is None:
+        return 1
+    if mesh.mesh_dim_names:
+        return mesh["tp"].size() if "tp" in mesh.mesh_dim_names else 1
+    return mesh.size() if mesh.ndim == 1 and weight.placements[0].is_replicate() else 1
 
 
 def sequence_parallel(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
