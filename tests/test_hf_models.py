@@ -180,10 +180,14 @@ def test_sharding_engines_get_the_decoder_layers_and_the_tp_plan(folders):
     assert isinstance(plan["model.layers.0.mlp.down_proj"], RowwiseParallel) and isinstance(plan["model.embed_tokens"], RowwiseParallel)
     assert type(plan["model.norm"]).__name__ == type(plan["model.layers.1.post_attention_layernorm"]).__name__ == "SequenceParallel"
     assert plan["model.layers.0.mlp.down_proj"].output_layouts[0].is_shard(1) and plan["lm_head"].input_layouts[0].is_shard(1)
-    stage = stage_module(llama, plan_stages(llama, 2)[1])
-    stage_plan = stage.tensor_parallel_plan(2)  # a pipeline stage: tensor parallel without sequence parallel
+    # between the regions plain local (B, T/tp, H) tensors (torchtitan's plan): what a pipeline stage can send
+    assert plan["model.embed_tokens"].use_local_output and plan["model.layers.0.self_attn.o_proj"].use_local_output
+    first, last = (stage_module(llama, names) for names in plan_stages(llama, 2))
+    first_plan, stage_plan = first.tensor_parallel_plan(2), last.tensor_parallel_plan(2)  # each stage: the same plan, its parts
     assert sorted({name.split(".")[2] for name in stage_plan if name.startswith("model.layers.")}) == ["1"]
-    assert len(stage_plan) == 1 + 7 and "model.norm" not in stage_plan
+    assert len(stage_plan) == 2 + 11 and type(stage_plan["model.norm"]).__name__ == "SequenceParallel"
+    assert stage_plan["lm_head"].input_layouts[0].is_shard(1) and len(first_plan) == 1 + 11
+    assert first_plan["model.embed_tokens"].output_layouts[0].is_shard(1)
     with pytest.raises(UserError, match="parallel.tp=3 does not divide the 4 attention heads and 2 key/value heads"):
         llama.tensor_parallel_plan(3)
     with pytest.raises(UserError, match="ties lm_head to its input embedding.*set model.untie_embeddings=true"):
@@ -376,6 +380,7 @@ def test_fsdp2_and_tensor_parallel_on_cpu(folders, tmp_path):
 # would blow float noise in near-zero gradients up into full steps), losses and weights within 1e-5 relative.
 MESH_SGD = ("train.gradient_accumulation_steps=2", "train.optimizer=sgd", "train.learning_rate=0.5")
 MESH_LAUNCHES = {"ref": (1, ()), "fsdp2": (2, ("train.batch_size=2", "parallel.dp_shard=2")), "tp2": (2, ("parallel.tp=2",))}
+MESH_LAUNCHES["tp2_pp2"] = (4, ("parallel.tp=2", "parallel.pipeline_stages=2", "parallel.microbatches=2", "parallel.schedule=1f1b"))
 
 
 @pytest.fixture(scope="module")
@@ -415,6 +420,17 @@ def test_llama_fsdp2_on_2_ranks_shards_each_decoder_layer_and_equals_one_process
 def test_llama_tensor_parallel_on_2_ranks_by_its_own_plan_equals_one_process(mesh_runs):
     out, log = mesh_runs("tp2")
     assert "device mesh (tensor parallel" in log and "sequence parallel and loss parallel" in log
+    assert_same_as_mesh_reference(out, mesh_runs("ref")[0])
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_llama_in_pipeline_stages_under_tensor_parallel_runs_sequence_and_loss_parallel_and_equals_one_process(mesh_runs):
+    """2 stages x tp 2 (4 processes): each stage cut like the whole model, sequence parallel between its regions (a
+    stage sends 1/tp of the sequence) and the last stage's loss on vocabulary shards; the same training as one process."""
+    out, log = mesh_runs("tp2_pp2")
+    assert "schedule 1f1b, 2 micro-batches x 2 accumulation = 4 per step" in log, log[-3000:]
+    assert "mesh pp 2 x tp 2" in log and "; sequence parallel and loss parallel" in log, log[-3000:]
     assert_same_as_mesh_reference(out, mesh_runs("ref")[0])
 
 

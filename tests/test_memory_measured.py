@@ -50,12 +50,26 @@ def test_estimate_is_within_ten_percent_of_each_ranks_measured_peak(tmp_path, ce
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    "cell_id", ["one-full", "ddp2", "fsdp2", "tp2", "dp2xtp2", "pp4-gpipe", "pp4-interleaved1f1b", "lora-one", "lora-fsdp2"]
+    "cell_id",
+    [
+        "one-full",
+        "ddp2",
+        "fsdp2",
+        "tp2",
+        "dp2xtp2",
+        "pp4-gpipe",
+        "pp4-interleaved1f1b",
+        "pp2xtp2-1f1b",
+        "hf-pp2xtp2-1f1b",
+        "lora-one",
+        "lora-fsdp2",
+    ],
 )
 def test_more_layouts_are_within_ten_percent(tmp_path, cell_id):
-    """The rest of the table's kinds: full checkpointing, DDP, FSDP2, tensor parallel, DP x TP, 4-stage pipelines, LoRA;
+    """The rest of the table's kinds: full checkpointing, DDP, FSDP2, tensor parallel, DP x TP, 4-stage pipelines, TP inside
+    pipeline stages (sequence and loss parallel there; GPT and a Hub Llama), LoRA;
     on the table's own models (the small one leaves a 4-stage rank a few MB, within the measurement's noise, and has
     too few layers for 4 ranks of two stages)."""
-    folders = memory_matrix.write_llamas(tmp_path / "llamas") if cell_id.startswith("lora") else None
+    folders = memory_matrix.write_llamas(tmp_path / "llamas") if cell_id.startswith(("lora", "hf")) else None
     got = ratios(tmp_path, cell_id, folders, small=False)
     assert all(0.9 <= x <= 1.1 for x in got), (cell_id, got)

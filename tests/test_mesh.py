@@ -149,8 +149,11 @@ def test_fsdp_yaml_shards_on_cpu(launched):
 
 @pytest.mark.multiprocess
 def test_tensor_parallel_x_pipeline_on_4_ranks(launched):
+    """GPT's plan hands on local (B, T/tp, H) tensors, so its stages ran sequence parallel before; the last stage's loss
+    now runs on vocabulary shards too (loss parallel inside the schedule's step)."""
     out, log = launched("tp2_pp2")
     assert "schedule 1f1b, 2 micro-batches x 2 accumulation = 4 per step, 1 data-parallel replica; mesh pp 2 x tp 2" in log
+    assert "; sequence parallel and loss parallel" in log
     assert_same_training(out, launched("ref")[0])
     assert summary(out)["pipeline_bubble_ideal"] == pytest.approx(1 / 5)  # (S-1)/(M+S-1), M = 4 per schedule step
 

@@ -70,11 +70,14 @@ def _cells() -> dict[str, Cell]:
         for schedule in ("gpipe", "1f1b", "interleaved1f1b"):
             cells[f"pp{stages}-{schedule}"] = Cell(stages, (f"parallel.pipeline_stages={stages}", f"parallel.schedule={schedule}", *PIPE))
     cells["pp2-1f1b-op"] = Cell(2, (*cells["pp2-1f1b"].keys, "model.activation_checkpointing=selective"))
+    # tensor parallel inside pipeline stages: sequence parallel between them, loss parallel on the last
+    cells["pp2xtp2-1f1b"] = Cell(4, (*cells["pp2-1f1b"].keys, "parallel.tp=2"))
     hf = {"model": HF, "tiny": ("model.hf_path={tiny}",)}
     cells["hf-one"] = Cell(1, (), **hf)
     cells["lora-one"] = Cell(1, LORA, **hf)
     cells["lora-fsdp2"] = Cell(2, (*LORA, "parallel.dp_shard=2"), **hf)
     cells["lora-pp2-1f1b"] = Cell(2, (*LORA, *cells["pp2-1f1b"].keys), **hf)
+    cells["hf-pp2xtp2-1f1b"] = Cell(4, cells["pp2xtp2-1f1b"].keys, **hf)
     return cells
 
 

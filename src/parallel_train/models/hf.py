@@ -292,7 +292,10 @@ class HFModel(nn.Module):
                 f"parallel.tp={tp}: model.task={self.task}: tensor parallelism cuts causal language models only here; "
                 "shard it with FSDP (parallel.dp_shard) instead"
             )
-        return hf_tensor_parallel.tensor_parallel_plan(self, self.tp_plan, self.hf.config, tp, what)
+        # Sequence parallel where the layout runs the layers (it builds their inputs for the whole length): decided on the
+        # whole transformers model, so every pipeline stage cuts alike.
+        sequence = self.layout is not None and hf_tensor_parallel.sequence_parallel_fits(self.hf, self.tp_plan)
+        return hf_tensor_parallel.tensor_parallel_plan(self, self.tp_plan, self.hf.config, tp, what, sequence)
 
     def pipeline_units(self) -> dict[str, nn.Module]:
         """The parts the pipeline splitter cuts between, in forward order (parallel/pipeline/split.py)."""

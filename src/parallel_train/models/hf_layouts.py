@@ -8,7 +8,9 @@ the splitter), computing in every stage what its layers need besides the hidden 
 - the rotary cos/sin from the model's own rotary module (Llama-style models);
 - the causal mask through the model's attention implementation (`create_causal_mask`: None under sdpa, which
   then runs its is_causal kernel; a sliding-window mask for layers that slide), with a dict batch's padding
-  (`attention_mask`, (B, T) 1/0) folded in as the model's own forward folds it.
+  (`attention_mask`, (B, T) 1/0) folded in as the model's own forward folds it;
+- under sequence parallel (hf_tensor_parallel.py) a layer's hidden states are 1/tp of the sequence, on a pipeline
+  stage as on the whole model: the positions, rotary tables and masks are still built for the whole length.
 
 A layout names the parts of one family; `LAYOUTS` maps a config's model_type to its layout. Each family listed
 is tested equal to the model's own forward (logits and gradients, tests/test_hf_models.py). Other causal LMs run
@@ -22,6 +24,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from parallel_train.models import hf_tensor_parallel
 
 
 @dataclass(frozen=True)
@@ -90,10 +94,19 @@ class LayerInputs:
     stages of a one-process pipeline sit on different devices) from the model's own rotary module and masks."""
 
     def __init__(
-        self, base: nn.Module, layout: Layout, config: Any, hidden: torch.Tensor, positions: torch.Tensor | None = None, padding=None
+        self,
+        base: nn.Module,
+        layout: Layout,
+        config: Any,
+        hidden: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        padding=None,
+        shards: int = 1,
     ):
         self.base, self.layout, self.config = base, layout, config
-        self.batch, self.length, self.dtype = hidden.shape[0], hidden.shape[1], hidden.dtype
+        # `shards`: sequence parallel hands the layers 1/shards of the sequence (hf_tensor_parallel.py); attention
+        # all-gathers it, so its masks and rotary tables are the whole length's.
+        self.batch, self.length, self.dtype = hidden.shape[0], hidden.shape[1] * shards, hidden.dtype
         self.positions = positions  # a packed batch's (B, T), or None: 0..T-1
         self.padding = padding  # a dict batch's attention_mask (B, T), 1 = a real token, or None: no padding
         self.cache: dict[torch.device, dict[str, Any]] = {}
@@ -144,7 +157,9 @@ def run_decoder(model: nn.Module, layout: Layout, config: Any, x: torch.Tensor, 
         if getattr(model, "lora", False) and torch.is_grad_enabled() and not any(p.requires_grad for p in model.parameters()):
             h.requires_grad_()  # a LoRA pipeline stage with no adapter (the embedding alone): pipelining's backward needs a gradient
     layers = getattr(base, layout.layers)
-    inputs = LayerInputs(base, layout, config, h, positions, attention_mask) if len(layers) else None
+    first = next(iter(layers), None)
+    shards = hf_tensor_parallel.sequence_shards(first) if first is not None else 1
+    inputs = LayerInputs(base, layout, config, h, positions, attention_mask, shards) if first is not None else None
     for key, layer in layers.named_children():
         device = _device_of(layer, h.device)
         h = layer(h.to(device), use_cache=False, **inputs.for_layer(int(key), device))

@@ -10,13 +10,15 @@ by columns with the logits gathered whole (the mesh engine keeps them cut by voc
 parallel/sharding.py).
 
 Sequence parallel (`sequence_parallel`), which transformers' plans do not carry (Llama's names no module in the
-`sequence_parallel` style): between the tensor-parallel regions each rank holds 1/tp of the sequence. The
-embedding and the row-wise projections reduce-scatter into sequence shards instead of all-reducing, the norms
-run on the shards (torch's SequenceParallel), and each attention and MLP all-gathers the sequence at its input
-(PrepareModuleInput), as torchtitan's Llama plan does. The hidden states between the regions stay DTensors, so
-their shape is the whole sequence's and hf_layouts.py builds the positions, rotary tables and masks as without it.
-Added for the decoders whose parts hf_layouts.py knows by name (Llama, Mistral, Qwen): their residual stream,
-norms and dropout then cost 1/tp of the memory. tests/test_hf_models.py holds it equal to one process.
+`sequence_parallel` style): between the tensor-parallel regions each rank holds 1/tp of the sequence, as torchtitan's
+Llama plan has it. The embedding and the row-wise projections reduce-scatter into sequence shards instead of
+all-reducing and hand on plain LOCAL tensors of (B, T/tp, H) (use_local_output), the norms run on those shards
+(torch's SequenceParallel), and each attention and MLP all-gathers the sequence at its input (PrepareModuleInput).
+So a pipeline stage, whatever parts it holds (the embedding alone, layers, layers + norm + head), sends and receives
+1/tp of the sequence; hf_layouts.py builds the positions, rotary tables and masks for the whole length (the local
+length x `sequence_shards`). One plan for the whole model and for every stage. Added for the decoders whose parts
+hf_layouts.py knows by name (Llama, Mistral, Qwen): their residual stream, norms, dropout and a stage's inputs then
+cost 1/tp of the memory. tests/test_hf_models.py holds it equal to one process, whole and in pipeline stages.
 """
 
 from __future__ import annotations
@@ -57,8 +59,11 @@ def check_heads(config: Any, tp: int, what: str) -> None:
         )
 
 
-def tensor_parallel_plan(model: nn.Module, hf_plan: dict[str, str], config: Any, tp: int, what: str) -> dict[str, Any]:
-    """{module name: torch ParallelStyle} for the modules `model` holds, from the transformers plan."""
+def tensor_parallel_plan(
+    model: nn.Module, hf_plan: dict[str, str], config: Any, tp: int, what: str, sequence: bool = False
+) -> dict[str, Any]:
+    """{module name: torch ParallelStyle} for the modules `model` holds, from the transformers plan; `sequence`: with
+    sequence parallelism (`sequence_parallel_fits`, decided on the whole model)."""
     if not hf_plan:
         raise UserError(
             f"parallel.tp={tp}: {what} ({config.model_type}) has no tensor-parallel plan in transformers; "
@@ -73,38 +78,72 @@ def tensor_parallel_plan(model: nn.Module, hf_plan: dict[str, str], config: Any,
     check_heads(config, tp, what)
     names = [name for name, module in model.named_modules() if name and isinstance(module, (nn.Linear, nn.Embedding))]
     plan = {name: torch_style(style) for pattern, style in hf_plan.items() for name in names if fnmatchcase(name, pattern)}
-    return sequence_parallel(model, plan)
+    return sequence_parallel(model, plan) if sequence else plan
 
 
 # A decoder's parts by name (hf_layouts.py's rotary layout): what sequence parallelism changes in the plan.
 EMBEDDING, FINAL_NORM, OUTPUT = "model.embed_tokens", "model.norm", "lm_head"
 LAYER_PARTS = ("input_layernorm", "self_attn", "self_attn.o_proj", "post_attention_layernorm", "mlp", "mlp.down_proj")
+ROW_CUT = ("self_attn.o_proj", "mlp.down_proj")  # the projections that reduce-scatter into sequence shards
+
+
+def _layers(model: nn.Module) -> list[str]:
+    return [name for name, _ in model.named_modules() if fnmatchcase(name, "model.layers.*") and name.count(".") == 2]
+
+
+def sequence_parallel_fits(whole: nn.Module, hf_plan: dict[str, str]) -> bool:
+    """Whether the plan gets sequence parallelism: decided on the WHOLE model (every pipeline stage decides alike, so
+    what one stage sends is what the next expects): every layer has the parts it cuts, the transformers plan cuts their
+    output projections by rows, and the embedding, final norm and head are where the layout says."""
+    layers = _layers(whole)
+    held = {name for name, _ in whole.named_modules()}
+    rows = [f"{layer}.{part}" for layer in layers for part in ROW_CUT]
+    return (
+        bool(layers)
+        and all(f"{layer}.{part}" in held for layer in layers for part in LAYER_PARTS)
+        and {EMBEDDING, FINAL_NORM, OUTPUT} <= held
+        and all(any(fnmatchcase(n, pattern) and style == "rowwise" for pattern, style in hf_plan.items()) for n in rows)
+    )
+
+
+def sequence_shards(layer: nn.Module) -> int:
+    """How many ranks a decoder layer's input sequence is cut over: tp where this plan's SequenceParallel holds its
+    input norm (SequenceParallel replicates its weight over the tensor-parallel mesh), else 1. Read from the module as
+    it was cut, so it is what the run does, whole model or pipeline stage. The run's meshes are named (parallel/mesh.py:
+    the "tp" axis; FSDP2's data-parallel axes have other names); an unnamed 1-D mesh (one built by hand for
+    `parallelize_module`) is taken as the tensor-parallel one."""
+    weight = getattr(getattr(layer, "input_layernorm", None), "weight", None)
+    mesh = getattr(weight, "device_mesh", None)
+    if mesh is None:
+        return 1
+    if mesh.mesh_dim_names:
+        return mesh["tp"].size() if "tp" in mesh.mesh_dim_names else 1
+    return mesh.size() if mesh.ndim == 1 and weight.placements[0].is_replicate() else 1
 
 
 def sequence_parallel(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
-    """`plan` with sequence parallelism between the regions (module docstring), where the model's layers have the parts
-    it names and the plan cuts them as Megatron does; else `plan` as it is (tensor parallel without it)."""
+    """`plan` with sequence parallelism between the regions (module docstring) on the parts `model` (the whole model or
+    one pipeline stage) holds; the caller decides whether it applies (`sequence_parallel_fits`, on the whole model)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
-    layers = [name for name, _ in model.named_modules() if fnmatchcase(name, "model.layers.*") and name.count(".") == 2]
     held = {name for name, _ in model.named_modules()}
-    needed = [f"{layer}.{part}" for layer in layers for part in LAYER_PARTS] + [EMBEDDING, FINAL_NORM, OUTPUT]
-    # The whole model only: a pipeline stage sends plain tensors to the next, so stages run tensor parallel without it.
-    if not layers or not all(n in held for n in needed) or any(n.endswith(("o_proj", "down_proj")) and n not in plan for n in needed):
-        return plan
     seq, whole = Shard(1), Replicate()
     out = dict(plan)
-    out[EMBEDDING] = RowwiseParallel(input_layouts=whole, output_layouts=seq, use_local_output=False)
-    for layer in layers:
+    # Local outputs (torchtitan's plan): the residual stream is a plain (B, T/tp, H) tensor, which a stage can send.
+    if EMBEDDING in held:
+        out[EMBEDDING] = RowwiseParallel(input_layouts=whole, output_layouts=seq, use_local_output=True)
+    for layer in _layers(model):
         out[f"{layer}.input_layernorm"] = SequenceParallel()
         out[f"{layer}.self_attn"] = PrepareModuleInput(
             input_kwarg_layouts={"hidden_states": seq}, desired_input_kwarg_layouts={"hidden_states": whole}, use_local_output=True
         )
-        out[f"{layer}.self_attn.o_proj"] = RowwiseParallel(output_layouts=seq, use_local_output=False)
+        out[f"{layer}.self_attn.o_proj"] = RowwiseParallel(output_layouts=seq, use_local_output=True)
         out[f"{layer}.post_attention_layernorm"] = SequenceParallel()
         out[f"{layer}.mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(whole,), use_local_output=True)
-        out[f"{layer}.mlp.down_proj"] = RowwiseParallel(output_layouts=seq, use_local_output=False)
-    out[FINAL_NORM] = SequenceParallel()
-    out[OUTPUT] = ColwiseParallel(input_layouts=seq, output_layouts=whole)
+        out[f"{layer}.mlp.down_proj"] = RowwiseParallel(output_layouts=seq, use_local_output=True)
+    if FINAL_NORM in held:
+        out[FINAL_NORM] = SequenceParallel()
+    if OUTPUT in held:
+        out[OUTPUT] = ColwiseParallel(input_layouts=seq, output_layouts=whole)
     return out

@@ -44,7 +44,7 @@ from parallel_train.parallel.pipeline.in_flight import in_flight_bytes
 from parallel_train.parallel.pipeline.placement import stages_of_rank, stages_per_rank
 from parallel_train.parallel.pipeline.split import plan_stages, stage_module
 from parallel_train.parallel.precision import DTYPES
-from parallel_train.parallel.sharding import local_numel, loss_context, output_layer, parallelize, tensor_parallel_plan
+from parallel_train.parallel.sharding import local_numel, loss_context, parallelize, tensor_parallel_cuts
 
 GIB = 2**30
 # Memory of one device, GiB (the vendors' figures), for --device.
@@ -168,8 +168,10 @@ def _held(cfg: Config, layout: MeshLayout, vocab_size: int, mesh) -> tuple[list[
 def _activations(cfg: Config, layout: MeshLayout, vocab_size: int, mesh, sample, model_cfg) -> PartBytes:
     """Activation bytes per part of the model for one micro-batch on rank 0's slice of the mesh, with `model_cfg`'s
     activation checkpointing, under the engine's precision (FSDP2's policy or autocast), cut as the engine cuts it:
-    the whole model by the mesh engine (loss parallel included), or stage by stage by the pipeline engine (each
-    stage cut on its own: no sequence parallel, the logits whole; parallel/sharding.py, models/hf_tensor_parallel.py)."""
+    the whole model by the mesh engine, or stage by stage by the pipeline engine, each stage with the whole model's
+    plan (sequence parallel: a stage receives and keeps 1/tp of the sequence; loss parallel: the last stage's logits
+    cut by vocabulary; parallel/sharding.py, models/hf_tensor_parallel.py). What each stage's first part receives is
+    measured here too (`PartBytes.inputs`), which sizes the pipeline's receive buffers (`_receive_buffers`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     p = cfg.parallel
@@ -180,8 +182,8 @@ def _activations(cfg: Config, layout: MeshLayout, vocab_size: int, mesh, sample,
     blocks = block_names(model)
     cut = MeshLayout(dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp)
     views = [stage_module(model, names) for names in _stage_plan(cfg, model, layout)] if layout.pp > 1 else [model]
-    # The mesh engine's decision (parallel/mesh_engine.py); a pipeline's stages keep their logits whole
-    logits_cut = layout.tp > 1 and layout.pp == 1 and output_layer(model, tensor_parallel_plan(model, layout.tp)) is not None
+    # The engines' decision, on the whole model (parallel/mesh_engine.py, pipeline/distributed.py)
+    logits_cut = tensor_parallel_cuts(model, layout.tp)[1]
     if layout.sharded or _fsdp(layout):
         for view in views:
             parallelize(view, mesh, cut, mp_policy=policy, shard_data_parallel=_fsdp(layout), loss_parallel=logits_cut)
@@ -245,7 +247,8 @@ def _rank_activations(
 def _receive_buffers(cfg: Config, layout: MeshLayout, ids: list[int], plan, plain: PartBytes) -> int:
     """Bytes of the buffers torch's PipelineStage makes once for every micro-batch and keeps (its `args_recv_info` and
     `grad_recv_info`): each stage but the first receives its input, each but the last the gradient of its output (the
-    next stage's input)."""
+    next stage's input). Both as measured on the stage views cut as the run cuts them: under sequence parallel
+    (B/M, T/tp, H) each."""
     if layout.pp == 1:
         return 0
     received = lambda i: plain.inputs.get(plan[i][0], 0) if 0 < i < len(plan) else 0  # noqa: E731 (stage i's input)

@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor.parallel import SequenceParallel
 
 from parallel_train.checkpoint.named_state import RankState
 from parallel_train.config.sections import Config
@@ -39,12 +38,12 @@ from parallel_train.parallel.mesh import MeshLayout, build_device_mesh, mesh_sum
 from parallel_train.parallel.precision import Precision
 from parallel_train.parallel.sharding import (
     clip_grad_norm,
+    cuts_line,
     local_numel,
     loss_context,
-    output_layer,
     parallelize,
     refuse_cut_ties,
-    tensor_parallel_plan,
+    tensor_parallel_cuts,
 )
 from parallel_train.tasks.registry import task_of
 
@@ -68,9 +67,7 @@ class MeshEngine:
         self.mesh = build_device_mesh(layout, self.device.type)
         policy = precision.fsdp_policy()
         # Loss parallel under tensor parallelism: the logits stay cut by vocabulary and the loss runs on the shards.
-        plan = tensor_parallel_plan(model, layout.tp) if layout.tp > 1 else {}
-        self.loss_parallel = output_layer(model, plan) is not None
-        sequence_parallel = any(isinstance(style, SequenceParallel) for style in plan.values())
+        sequence_parallel, self.loss_parallel = tensor_parallel_cuts(model, layout.tp)
         self.compiled = parallelize(model, self.mesh, layout, mp_policy=policy, compile=cfg.train.compile, loss_parallel=self.loss_parallel)
         init.fill(model, self.device)  # parallel/model_init.py: only now does this rank's slice of each parameter get memory
         self.model = model
@@ -83,10 +80,7 @@ class MeshEngine:
         self.local_numel = local_numel(model)
         what = [w for w, on in (("HSDP" if layout.dp_replicate > 1 else "FSDP2", layout.dp > 1), ("tensor parallel", layout.tp > 1)) if on]
         self.name = f"device mesh ({' + '.join(what)}, plain torch): {share_line(layout, self.local_numel, total)}"
-        if sequence_parallel or self.loss_parallel:
-            self.name += "; " + " and ".join(
-                w for w, on in (("sequence parallel", sequence_parallel), ("loss parallel", self.loss_parallel)) if on
-            )
+        self.name += cuts_line(sequence_parallel, self.loss_parallel)
         if self.fsdp and policy is not None:
             self.name += f"; FSDP2 mixed precision: parameters gathered and computed in {precision.name}, gradients reduced in fp32"
 

@@ -66,6 +66,23 @@ def logits_by_vocabulary(model: nn.Module, plan: dict) -> dict:
     return {**plan, name: ColwiseParallel(input_layouts=plan[name].input_layouts[0], output_layouts=Shard(-1), use_local_output=False)}
 
 
+def tensor_parallel_cuts(model: nn.Module, tp: int) -> tuple[bool, bool]:
+    """(sequence parallel, loss parallel) for `model` (the WHOLE model: a pipeline's stages are cut alike) under
+    `parallel.tp`: whether its plan runs norms on sequence shards, and whether its logits can stay cut by vocabulary."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    if tp == 1:
+        return False, False
+    plan = tensor_parallel_plan(model, tp)
+    return any(isinstance(style, SequenceParallel) for style in plan.values()), output_layer(model, plan) is not None
+
+
+def cuts_line(sequence: bool, loss: bool) -> str:
+    """The engine banner's words for them ("; sequence parallel and loss parallel"), or ""."""
+    words = [w for w, on in (("sequence parallel", sequence), ("loss parallel", loss)) if on]
+    return "; " + " and ".join(words) if words else ""
+
+
 def loss_context(on: bool):
     """torch's `loss_parallel()` where the logits stay cut by vocabulary (`logits_by_vocabulary`), else nothing: forward,
     loss and backward run inside it (the mesh engine's step, the memory estimate's forward)."""

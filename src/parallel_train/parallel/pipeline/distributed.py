@@ -7,7 +7,10 @@ None, so parameter names stay canonical) and gives memory and first values to th
 the same values whatever holds them); placement.py says which stages (one per rank; looped for the interleaved
 schedules; V-shaped for zbv and dualpipev). With parallel.tp or parallel.dp_shard each stage is then cut like
 a whole model in the mesh engine (parallel/sharding.py: the model's tensor-parallel plan, fully_shard per block):
-pipelines compose with FSDP2, HSDP and tensor parallelism.
+pipelines compose with FSDP2, HSDP and tensor parallelism. Under tensor parallelism a stage runs sequence parallel
+as the whole model does (the plans hand on plain (B, T/tp, H) tensors between the regions, as torchtitan's do: a stage
+sends and receives 1/tp of the sequence), and the last stage keeps the logits cut by vocabulary (loss parallel): the
+forward, the loss and the backward all run inside `schedule.step`, so the step runs under torch's `loss_parallel`.
 
 Gradient scaling, stated: each micro-batch's loss is its summed token loss times step.py's scale (data-parallel
 ranks / the step's valid tokens), so the gradients add up to those of the per-token mean of the whole
@@ -46,7 +49,15 @@ from parallel_train.parallel.pipeline.split import describe_stages, plan_stages,
 from parallel_train.parallel.pipeline.tied import TiedAcrossStages
 from parallel_train.parallel.pipeline.timeline import Clock, Recorder, write_report
 from parallel_train.parallel.precision import Precision
-from parallel_train.parallel.sharding import clip_grad_norm, local_numel, parallelize, refuse_cut_ties
+from parallel_train.parallel.sharding import (
+    clip_grad_norm,
+    cuts_line,
+    local_numel,
+    loss_context,
+    parallelize,
+    refuse_cut_ties,
+    tensor_parallel_cuts,
+)
 from parallel_train.tasks.registry import task_of
 
 SCHEDULES = {
@@ -133,6 +144,7 @@ class MultiProcessPipelineEngine:
         total = sum(q.numel() for q in model.parameters())
         ties = find_ties(model)  # the whole model's, before any cut: a stage may hold only the alias (parallel/pipeline/tied.py)
         refuse_cut_ties(model, ties, layout.tp)
+        sequence_parallel, self.loss_parallel = tensor_parallel_cuts(model, layout.tp)  # the whole model's: every stage alike
         measure = measure_units(model, probe, self.device, init)
         plan = plan_stages(model, S * V, p.split, measure)
         self.inputs = named_inputs(model.forward)  # the batch's inputs every stage gets (positions, attention_mask, ...)
@@ -149,7 +161,15 @@ class MultiProcessPipelineEngine:
         # Each stage cut like a whole model: TP plan, compile per block, FSDP2 over the data-parallel replicas.
         policy = precision.fsdp_policy()
         for mod in self.stage_mods:
-            self.compiled = parallelize(mod, mesh, layout, mp_policy=policy, compile=cfg.train.compile, shard_data_parallel=layout.dp > 1)
+            self.compiled = parallelize(
+                mod,
+                mesh,
+                layout,
+                mp_policy=policy,
+                compile=cfg.train.compile,
+                shard_data_parallel=layout.dp > 1,
+                loss_parallel=self.loss_parallel,
+            )
         self.autocast = not (layout.dp > 1 and policy is not None)  # FSDP2's policy already computes in bf16/fp16
         init.fill(self.local, self.device)  # parallel/model_init.py: only this rank's stages (its slices of them) get memory
         self.ties = ties
@@ -166,16 +186,22 @@ class MultiProcessPipelineEngine:
         self._scale, self._sums = torch.ones((), device=self.device), []  # this step's loss scale; its summed losses
         self.schedule = self._make_schedule(self.M, p.schedule, timed=True)
 
-        self.name = (
+        self.name = self._banner(total, sequence_parallel)
+        places = [f"rank {self.where[i]}" for i in range(S * V)]
+        accelerator.print(f"[parallel_train] pipeline split: {describe_stages(model, plan, places, measure.seconds)}")
+
+    def _banner(self, total: int, sequence_parallel: bool) -> str:
+        p, S, V, A = self.cfg.parallel, self.S, self.V, self.cfg.train.gradient_accumulation_steps
+        M, layout = p.microbatches, self.layout
+        return (
             f"multi-process pipeline (executor 2, torch.distributed.pipelining): {S} stage ranks"
             + (f" x {V} {'V-shaped' if p.schedule in V_SHAPED else 'interleaved'} stages each" if V > 1 else "")
             + f", schedule {p.schedule}, {M} micro-batches"
             + (f" x {A} accumulation = {M * A} per step" if A > 1 else "")
             + f", {layout.dp} data-parallel replica{'s' if layout.dp > 1 else ''}; "
             + share_line(layout, self.local_numel, total)
+            + cuts_line(sequence_parallel, self.loss_parallel)
         )
-        places = [f"rank {self.where[i]}" for i in range(S * V)]
-        accelerator.print(f"[parallel_train] pipeline split: {describe_stages(model, plan, places, measure.seconds)}")
 
     def _make_schedule(self, n_microbatches: int, name: str, timed: bool = False):
         """Stages over this rank's modules and the named schedule (scale_grads=False: see the module docstring)."""
@@ -195,7 +221,7 @@ class MultiProcessPipelineEngine:
     def _loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """A micro-batch's loss on the last stage, as backward sees it (see the module docstring)."""
         s = self.loss_sum(logits_of(out), y)
-        self._sums.append(s.detach())
+        self._sums.append(s.detach().full_tensor() if hasattr(s, "full_tensor") else s.detach())  # loss parallel's is a DTensor
         return self.precision.scale(s * self._scale)
 
     # ---- timing: one step in profile_every; on GPUs CUDA events around each chunk, read at the next timed step
@@ -235,7 +261,9 @@ class MultiProcessPipelineEngine:
         # micro-batches as the inputs: every pipeline rank reads the batch, and torch's schedules pass step()'s keyword
         # arguments to all stages.
         kwargs = {"target": y, "losses": []} if self.is_last else {}
-        with precision.autocast(self.autocast):
+        # loss_parallel: the last stage's loss and its backward run on vocabulary shards inside the step (every rank
+        # enters it alike; it changes only the ops on vocabulary-cut DTensors)
+        with precision.autocast(self.autocast), loss_context(self.loss_parallel):
             self.schedule.step(*args, **kwargs, **others, return_outputs=False)  # the losses are all it needs
         self.profiling = False
         self._steps += 1
@@ -251,12 +279,14 @@ class MultiProcessPipelineEngine:
 
     def eval_forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor | None:
         """Forward only through the stages (placement.forward_through); the last stage's tensor-parallel rank 0
-        reports the logits. kwargs (a packed batch's positions, a padding mask) go to every stage."""
+        reports the logits, or under loss parallel each of its tensor-parallel ranks its slice of them, cut by
+        vocabulary (the metrics run on the slices: parallel/vocab_metrics.py). kwargs (a packed batch's positions, a
+        padding mask) go to every stage."""
         refuse_other_inputs(kwargs, f"the multi-process pipeline (parallel.pipeline_stages={self.S})", self.inputs)
         stages = dict(zip(self.stage_ids, self.stage_mods, strict=True))
         with self.precision.autocast(self.autocast):
             logits = forward_through(stages, self.where, self.pp_rank, x, self.pp_group, self.device, kwargs)
-        return logits if logits is not None and self.tp_rank == 0 else None
+        return logits if logits is not None and (self.tp_rank == 0 or self.loss_parallel) else None
 
     def set_training(self, on: bool) -> None:
         for mod in self.stage_mods:
