@@ -146,11 +146,12 @@ class MultiProcessPipelineEngine:
 
         mesh = build_device_mesh(layout, self.device.type)
         self.pp_group = mesh.get_group("pp")
-        # Each stage cut like a whole model: TP plan, compile per block, FSDP2 over the data-parallel replicas.
+        # Each stage cut like a whole model: TP plan, compile per block, FSDP2 over the data-parallel replicas, or over
+        # one rank under bf16/fp16, whose policy then computes the stage in bf16 (sharding.fsdp_wraps).
         policy = precision.fsdp_policy()
         for mod in self.stage_mods:
-            self.compiled = parallelize(mod, mesh, layout, mp_policy=policy, compile=cfg.train.compile, shard_data_parallel=layout.dp > 1)
-        self.autocast = not (layout.dp > 1 and policy is not None)  # FSDP2's policy already computes in bf16/fp16
+            self.compiled = parallelize(mod, mesh, layout, mp_policy=policy, compile=cfg.train.compile, shard_data_parallel=True)
+        self.autocast = policy is None  # FSDP2's policy computes in bf16/fp16 (at fp32 autocast is off anyway)
         init.fill(self.local, self.device)  # parallel/model_init.py: only this rank's stages (its slices of them) get memory
         self.ties = ties
         self.tied = TiedAcrossStages(ties, plan, self.where, layout, rank, self.local)  # creates process groups: every rank
@@ -172,6 +173,7 @@ class MultiProcessPipelineEngine:
             + f", schedule {p.schedule}, {M} micro-batches"
             + (f" x {A} accumulation = {M * A} per step" if A > 1 else "")
             + f", {layout.dp} data-parallel replica{'s' if layout.dp > 1 else ''}; "
+            + (f"stages computed in {precision.name} by FSDP2's policy (fp32 master weights); " if policy is not None else "")
             + share_line(layout, self.local_numel, total)
         )
         places = [f"rank {self.where[i]}" for i in range(S * V)]
