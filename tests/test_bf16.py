@@ -57,6 +57,9 @@ def test_the_layers_save_bf16_and_the_optimizer_steps_fp32(layout):
         assert {q.grad.dtype for q in engine.params if q.grad is not None} == {torch.float32}
 
 
+# Slow: two launches; the default suite runs the same policy over one rank in tests/test_pipeline.py's bf16 pipeline
+# (a real 2-process run: losses and fp32 canonical weights) and in the test above (in process).
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_tensor_parallel_in_bf16_continues_on_one_process_like_autocast(tmp_path):
     """TP 2 in bf16 (FSDP2's policy over one rank), its step-3 checkpoint continued on one process in bf16 (autocast):

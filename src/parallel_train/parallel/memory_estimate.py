@@ -41,7 +41,7 @@ from parallel_train.parallel.activation_memory import PartBytes, block_names, ke
 from parallel_train.parallel.mesh import MeshLayout, build_device_mesh, resolve_layout
 from parallel_train.parallel.parts import fsdp_units, model_units
 from parallel_train.parallel.pipeline.in_flight import in_flight_bytes
-from parallel_train.parallel.pipeline.placement import stages_of_rank, stages_per_rank
+from parallel_train.parallel.pipeline.placement import SPLIT_BACKWARD, stages_of_rank, stages_per_rank
 from parallel_train.parallel.pipeline.split import plan_stages, stage_module
 from parallel_train.parallel.precision import DTYPES
 from parallel_train.parallel.sharding import fsdp_wraps, local_numel, loss_context, output_layer, parallelize, tensor_parallel_plan
@@ -119,12 +119,13 @@ def _mesh_or_pipeline(layout: MeshLayout) -> bool:
 
 def _precision(cfg: Config, layout: MeshLayout):
     """(FSDP2's MixedPrecisionPolicy or None, the autocast dtype or None), as the engines pick them
-    (parallel/precision.py): the mesh and pipeline engines compute in bf16/fp16 by FSDP2's policy (over one data-parallel
-    rank where there is one) and nothing autocasts; one process and DDP autocast."""
+    (parallel/precision.py): where FSDP2 wraps, its policy computes in bf16/fp16 (the mesh engine and the pipeline, over
+    one data-parallel rank where there is one) and nothing autocasts; one process, DDP and a zero-bubble pipeline
+    without replicas autocast."""
     dtype = DTYPES.get(cfg.train.mixed_precision)
     if dtype is None:
         return None, None
-    if _mesh_or_pipeline(layout):
+    if _fsdp(cfg, layout):
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32), None
@@ -133,7 +134,8 @@ def _precision(cfg: Config, layout: MeshLayout):
 
 def _fsdp(cfg: Config, layout: MeshLayout) -> bool:
     """Whether the run's engine wraps the model (or its stages) in FSDP2: the engines' own rule (sharding.fsdp_wraps)."""
-    return _mesh_or_pipeline(layout) and fsdp_wraps(layout, _precision(cfg, layout)[0])
+    split = layout.pp > 1 and cfg.parallel.schedule in SPLIT_BACKWARD
+    return _mesh_or_pipeline(layout) and fsdp_wraps(layout, cfg.train.mixed_precision in DTYPES, split)
 
 
 def build_shapes(model_cfg, vocab_size: int):
