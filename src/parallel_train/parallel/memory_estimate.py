@@ -8,8 +8,8 @@ is not a formula beside the code: it is what a run with this config reports as `
 Activations: one forward of a micro-batch under FakeTensorMode (shapes only, any size), cut as the engine cuts it
 (the whole model on the mesh; stage by stage in a pipeline), counting what is still alive when the loss is computed
 (parallel/activation_memory.py), by part of the model: what the run's own activation checkpointing keeps (none, full,
-selective op or every N-th block), in the engine's precision (FSDP2's bf16 policy: bf16 activations; autocast
-elsewhere: an fp32 residual stream beside bf16 copies). A forward without checkpointing gives what backward
+selective op or every N-th block), in the engine's precision (FSDP2's bf16 policy wherever FSDP2 wraps, over one
+data-parallel rank too: bf16 activations; autocast in one process and DDP: an fp32 residual stream beside bf16 copies). A forward without checkpointing gives what backward
 recomputes, one checkpointed block at a time, and a forward with model.activation_checkpointing=full the
 "checkpointed" column: each mode measured once, and one formula turns each into its figure, so a run whose own mode
 is full gets the same number in both.

@@ -17,7 +17,8 @@ estimate counts exactly the parameters a real run holds.
    bf16 from fp32 master weights (saved activations and the residual stream in bf16, half of autocast's fp32 stream
    beside bf16 copies), and on one rank it gathers nothing (torch copies the shard into the bf16 buffer; the
    reduce-scatter of one rank leaves the gradient as it is). One mechanism for every multi-process engine rather than a
-   second (bf16 module copies beside fp32 masters) beside it. 1 process and DDP keep autocast (docs/performance.md).
+   second (bf16 module copies beside fp32 masters) beside it. 1 process, DDP and the zero-bubble schedules without
+   replicas keep autocast (`fsdp_wraps`; docs/parallelism.md, "Precision and compile").
 Parameter names never change, so checkpoints stay those of the unsplit model.
 """
 
