@@ -25,19 +25,24 @@ GPT = ("model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size
 LAYOUTS = {"tp2": ("parallel.tp=2",), "pp2": ("parallel.pipeline_stages=2", "parallel.microbatches=2")}
 
 
+def rank0_engine(*keys: str):
+    """The bf16 engine rank 0 of a 2-rank run builds (inside `fake_world(2)`), and its precision."""
+    cfg, _ = load_config([*GPT, "train.mixed_precision=bf16", *keys])
+    accelerator = SimpleNamespace(device=torch.device("cpu"), process_index=0, num_processes=2, print=lambda *a: None)
+    precision = make_precision("bf16", accelerator.device, 2)
+    model, init = start_model(MODELS[cfg.model.name], cfg.model, 65, 0)
+    return build_engine(cfg, accelerator, model, init, lambda m: build_optimizer(m, cfg.train), precision, None), precision
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_the_layers_save_bf16_and_the_optimizer_steps_fp32(layout):
     """The engine a 2-rank run builds (rank 0 of torch's fake process group: shapes and dtypes are real, collectives do
     nothing), one forward and backward: every fp32 tensor the layers save is at most a statistic per head and token
     (attention's log-sum-exp); under autocast the norms saved the fp32 residual stream, batch x context x width.
     Parameters and the gradients the optimizer reads are fp32."""
-    cfg, _ = load_config([*GPT, "train.mixed_precision=bf16", *LAYOUTS[layout]])
     batch, heads, context = 2, 2, 16
     with fake_world(2):
-        accelerator = SimpleNamespace(device=torch.device("cpu"), process_index=0, num_processes=2, print=lambda *a: None)
-        precision = make_precision("bf16", accelerator.device, 2)
-        model, init = start_model(MODELS[cfg.model.name], cfg.model, 65, 0)
-        engine = build_engine(cfg, accelerator, model, init, lambda m: build_optimizer(m, cfg.train), precision, None)
+        engine, precision = rank0_engine(*LAYOUTS[layout])
         module = engine.model if engine.model is not None else engine.stage_mods[0]  # a pipeline: rank 0's stage
         fp32_saved: list[int] = []
 
@@ -55,6 +60,17 @@ def test_the_layers_save_bf16_and_the_optimizer_steps_fp32(layout):
         assert fp32_saved and max(fp32_saved) <= batch * heads * context, sorted(fp32_saved)[-5:]
         assert {q.dtype for q in engine.params} == {torch.float32}
         assert {q.grad.dtype for q in engine.params if q.grad is not None} == {torch.float32}
+
+
+def test_a_zero_bubble_pipeline_without_replicas_keeps_autocast():
+    """zbv splits each backward into the input's gradient and the weights'; FSDP2 does not follow that split (its losses
+    left one process's), so its stages autocast as before, unwrapped (parallel/sharding.py fsdp_wraps)."""
+    with fake_world(2):
+        engine, _ = rank0_engine(
+            "parallel.pipeline_stages=2", "parallel.microbatches=4", "parallel.schedule=zbv", "parallel.stages_per_rank=2"
+        )
+        assert engine.autocast and not any(hasattr(m, "set_requires_gradient_sync") for m in engine.stage_mods)
+        assert "by FSDP2's policy" not in engine.name
 
 
 # Slow: two launches; the default suite runs the same policy over one rank in tests/test_pipeline.py's bf16 pipeline
