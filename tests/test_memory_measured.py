@@ -63,11 +63,14 @@ def test_estimate_is_within_ten_percent_of_each_ranks_measured_peak(tmp_path, ce
         "hf-pp2xtp2-1f1b",
         "lora-one",
         "lora-fsdp2",
+        "tp2-bf16",
+        "pp2-1f1b-bf16",
     ],
 )
 def test_more_layouts_are_within_ten_percent(tmp_path, cell_id):
     """The rest of the table's kinds: full checkpointing, DDP, FSDP2, tensor parallel, DP x TP, 4-stage pipelines, TP inside
-    pipeline stages (sequence and loss parallel there; GPT and a Hub Llama), LoRA;
+    pipeline stages (sequence and loss parallel there; GPT and a Hub Llama), LoRA, bf16 through the layers of tensor
+    parallel and of pipeline stages (FSDP2's policy over one data-parallel rank);
     on the table's own models (the small one leaves a 4-stage rank a few MB, within the measurement's noise, and has
     too few layers for 4 ranks of two stages)."""
     folders = memory_matrix.write_llamas(tmp_path / "llamas") if cell_id.startswith(("lora", "hf")) else None

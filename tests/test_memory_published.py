@@ -12,10 +12,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from parallel_train.config.load import load_config
 from parallel_train.data.sources import load_data
-from parallel_train.parallel.memory_estimate import estimate
+from parallel_train.parallel.memory_estimate import _precision, estimate
+from parallel_train.parallel.mesh import resolve_layout
 from parallel_train.parallel.pipeline.in_flight import in_flight_bytes
 
 GIB = 2**30
@@ -208,6 +210,27 @@ def test_fsdp2_bf16_policy_keeps_bf16_activations_where_autocast_keeps_fp32_too(
     fp32 = estimated(1).breakdown["blocks.1"]
     assert estimated(2, "parallel.dp_shard=2", "train.mixed_precision=bf16").breakdown["blocks.1"] == pytest.approx(fp32 / 2, rel=0.01)
     assert estimated(1, "train.mixed_precision=bf16").breakdown["blocks.1"] > fp32 // 2
+
+
+@pytest.mark.parametrize(
+    "world,keys,policy",
+    [
+        (1, [], False),
+        (2, [], False),
+        (2, ["parallel.tp=2"], True),
+        (2, ["parallel.pipeline_stages=2"], True),
+        (4, ["parallel.dp_shard=2", "parallel.tp=2"], True),
+        (2, ["parallel.pipeline_stages=2", "parallel.schedule=zbv", "parallel.stages_per_rank=2", "parallel.microbatches=4"], False),
+    ],
+)
+def test_each_engine_is_estimated_in_its_own_bf16(world, keys, policy):
+    """Under bf16 the estimate takes the precision each engine computes in: FSDP2's policy (bf16 activations, as the
+    dp_shard case above measures) for the mesh engine and the pipeline, tensor parallel alone and stages without
+    replicas included (parallel/sharding.py fsdp_wraps); autocast for one process, DDP and a zero-bubble schedule's stages
+    without replicas (FSDP2 does not follow its split backward)."""
+    cfg, _ = load_config([*GPT, "train.mixed_precision=bf16", *keys])
+    got_policy, autocast = _precision(cfg, resolve_layout(cfg, world, env={}))
+    assert (got_policy is not None, autocast) == (policy, None if policy else torch.bfloat16)
 
 
 @pytest.mark.slow

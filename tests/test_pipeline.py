@@ -311,7 +311,9 @@ def test_data_parallel_x_multi_process_pipeline(reference):
 
 @pytest.mark.multiprocess
 def test_pipelines_train_in_bf16(reference):
-    """bf16 autocast in both executors: close to the fp32 run (not equal: bf16 rounds)."""
+    """bf16 in both executors: close to the fp32 run (not equal: bf16 rounds). One process autocasts; the multi-process
+    stages compute in bf16 by FSDP2's policy (parallel/sharding.py fsdp_wraps) and still save fp32 weights under the
+    unsplit model's names."""
     env, ref = launch_env(reference), train_losses(reference / "ref_adam")
     runs = {
         "bf16_inproc": warm_cmd(
@@ -337,6 +339,9 @@ def test_pipelines_train_in_bf16(reference):
         assert "precision bf16" in result.output
         losses = train_losses(reference / name)
         assert all(abs(losses[s] - ref[s]) < 0.05 for s in range(1, 7)), (name, losses, ref)
+    assert "stages computed in bf16 by FSDP2's policy" in result.output  # the multi-process one, last
+    weights, unsplit = (load_file(str(reference / name / "model.safetensors")) for name in ("bf16_mp", "ref_adam"))
+    assert weights.keys() == unsplit.keys() and {w.dtype for w in weights.values()} == {torch.float32}
 
 
 def test_stage_input_gradients_are_made_contiguous_for_sending():

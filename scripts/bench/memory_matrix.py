@@ -72,6 +72,9 @@ def _cells() -> dict[str, Cell]:
     cells["pp2-1f1b-op"] = Cell(2, (*cells["pp2-1f1b"].keys, "model.activation_checkpointing=selective"))
     # tensor parallel inside pipeline stages: sequence parallel between them, loss parallel on the last
     cells["pp2xtp2-1f1b"] = Cell(4, (*cells["pp2-1f1b"].keys, "parallel.tp=2"))
+    # bf16 through the layers: FSDP2's policy over one data-parallel rank (parallel/sharding.py, fsdp_wraps)
+    cells["tp2-bf16"] = Cell(2, (*cells["tp2"].keys, "train.mixed_precision=bf16"))
+    cells["pp2-1f1b-bf16"] = Cell(2, (*cells["pp2-1f1b"].keys, "train.mixed_precision=bf16"))
     hf = {"model": HF, "tiny": ("model.hf_path={tiny}",)}
     cells["hf-one"] = Cell(1, (), **hf)
     cells["lora-one"] = Cell(1, LORA, **hf)

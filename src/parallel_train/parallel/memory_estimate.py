@@ -8,8 +8,8 @@ is not a formula beside the code: it is what a run with this config reports as `
 Activations: one forward of a micro-batch under FakeTensorMode (shapes only, any size), cut as the engine cuts it
 (the whole model on the mesh; stage by stage in a pipeline), counting what is still alive when the loss is computed
 (parallel/activation_memory.py), by part of the model: what the run's own activation checkpointing keeps (none, full,
-selective op or every N-th block), in the engine's precision (FSDP2's bf16 policy: bf16 activations; autocast
-elsewhere: an fp32 residual stream beside bf16 copies). A forward without checkpointing gives what backward
+selective op or every N-th block), in the engine's precision (FSDP2's bf16 policy wherever FSDP2 wraps, over one
+data-parallel rank too: bf16 activations; autocast in one process and DDP: an fp32 residual stream beside bf16 copies). A forward without checkpointing gives what backward
 recomputes, one checkpointed block at a time, and a forward with model.activation_checkpointing=full the
 "checkpointed" column: each mode measured once, and one formula turns each into its figure, so a run whose own mode
 is full gets the same number in both.
@@ -41,10 +41,10 @@ from parallel_train.parallel.activation_memory import PartBytes, block_names, ke
 from parallel_train.parallel.mesh import MeshLayout, build_device_mesh, resolve_layout
 from parallel_train.parallel.parts import fsdp_units, model_units
 from parallel_train.parallel.pipeline.in_flight import in_flight_bytes
-from parallel_train.parallel.pipeline.placement import stages_of_rank, stages_per_rank
+from parallel_train.parallel.pipeline.placement import SPLIT_BACKWARD, stages_of_rank, stages_per_rank
 from parallel_train.parallel.pipeline.split import plan_stages, stage_module
 from parallel_train.parallel.precision import DTYPES
-from parallel_train.parallel.sharding import local_numel, loss_context, parallelize, tensor_parallel_cuts
+from parallel_train.parallel.sharding import fsdp_wraps, local_numel, loss_context, parallelize, tensor_parallel_cuts
 
 GIB = 2**30
 # Memory of one device, GiB (the vendors' figures), for --device.
@@ -111,23 +111,31 @@ def _stage_plan(cfg: Config, model: nn.Module, layout: MeshLayout) -> list[list[
     return plan_stages(model, layout.pp * stages_per_rank(p.schedule, p.stages_per_rank), spec)
 
 
-def _fsdp(layout: MeshLayout) -> bool:
-    """Whether the run's engine puts FSDP2 over the data-parallel axes: the mesh engine when the layout shards, the
-    pipeline engine over any data-parallel replicas (parallel/build.py, pipeline/distributed.py)."""
-    return layout.dp > 1 and (layout.pp > 1 or layout.sharded)
+def _mesh_or_pipeline(layout: MeshLayout) -> bool:
+    """The engines that put FSDP2 over the data-parallel axes: the mesh engine (the layout shards) and the multi-process
+    pipeline (parallel/build.py); one process and DDP do not."""
+    return layout.pp > 1 or layout.sharded
 
 
 def _precision(cfg: Config, layout: MeshLayout):
     """(FSDP2's MixedPrecisionPolicy or None, the autocast dtype or None), as the engines pick them
-    (parallel/precision.py): under FSDP2 the policy casts the parameters and nothing autocasts; elsewhere autocast."""
+    (parallel/precision.py): where FSDP2 wraps, its policy computes in bf16/fp16 (the mesh engine and the pipeline, over
+    one data-parallel rank where there is one) and nothing autocasts; one process, DDP and a zero-bubble pipeline
+    without replicas autocast."""
     dtype = DTYPES.get(cfg.train.mixed_precision)
     if dtype is None:
         return None, None
-    if _fsdp(layout):
+    if _fsdp(cfg, layout):
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32), None
     return None, dtype
+
+
+def _fsdp(cfg: Config, layout: MeshLayout) -> bool:
+    """Whether the run's engine wraps the model (or its stages) in FSDP2: the engines' own rule (sharding.fsdp_wraps)."""
+    split = layout.pp > 1 and cfg.parallel.schedule in SPLIT_BACKWARD
+    return _mesh_or_pipeline(layout) and fsdp_wraps(layout, cfg.train.mixed_precision in DTYPES, split)
 
 
 def build_shapes(model_cfg, vocab_size: int):
@@ -158,7 +166,10 @@ def _held(cfg: Config, layout: MeshLayout, vocab_size: int, mesh) -> tuple[list[
                 parallelize(view, mesh, layout)  # the run's own code: what each rank holds is what it holds here
         held = sum(local_numel(v) for v in views)
         blocks = [local_numel(u) for u in units]
-        gathered = (2 * max(blocks, default=0) + held - sum(blocks)) * layout.dp_shard if layout.dp_shard > 1 else 0
+        # FSDP2's unsharded copies; over one data-parallel rank only under bf16/fp16's policy (tensor parallel alone), where
+        # torch copies each unit's parameters into a buffer of the policy's dtype
+        copies = layout.dp_shard > 1 or (_fsdp(cfg, layout) and _precision(cfg, layout)[0] is not None)
+        gathered = (2 * max(blocks, default=0) + held - sum(blocks)) * layout.dp_shard if copies else 0
         # a part's gradient bytes, for one step without accumulation (a pipeline's gradients all stand: not needed)
         part_grads = {name: 4 * local_numel(m, trainable=True) for name, m in model_units(model).items()} if layout.pp == 1 else {}
         out.append((ids, held, sum(local_numel(v, trainable=True) for v in views), gathered, part_grads))
@@ -184,9 +195,9 @@ def _activations(cfg: Config, layout: MeshLayout, vocab_size: int, mesh, sample,
     views = [stage_module(model, names) for names in _stage_plan(cfg, model, layout)] if layout.pp > 1 else [model]
     # The engines' decision, on the whole model (parallel/mesh_engine.py, pipeline/distributed.py)
     logits_cut = tensor_parallel_cuts(model, layout.tp)[1]
-    if layout.sharded or _fsdp(layout):
+    if layout.sharded or _fsdp(cfg, layout):
         for view in views:
-            parallelize(view, mesh, cut, mp_policy=policy, shard_data_parallel=_fsdp(layout), loss_parallel=logits_cut)
+            parallelize(view, mesh, cut, mp_policy=policy, shard_data_parallel=_fsdp(cfg, layout), loss_parallel=logits_cut)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         for view in views:  # a pipeline's stages one after the other, as the micro-batch goes through them
@@ -275,7 +286,7 @@ def estimate(cfg: Config, world: int, vocab_size: int, sample: tuple[torch.Tenso
     for r, (ids, numel, trainable, gathered, part_grads) in enumerate(held):
         mine = [n for i in ids for n in plan[i]] + (["loss"] if len(plan) - 1 in ids else [])
         grads, buffers = 4 * trainable, gathered * param_bytes  # frozen weights (LoRA's base) have neither gradients nor state
-        if layout.pp > 1 and _fsdp(layout):
+        if layout.pp > 1 and _fsdp(cfg, layout):
             # torch's PipelineStage keeps an FSDP2 stage unsharded between micro-batches (set_reshard_after_backward(False),
             # no gradient sync until the last one): its whole parameters in the policy's dtype, and its whole gradients
             # accumulated in fp32 until the reduce-scatter after the last backward.

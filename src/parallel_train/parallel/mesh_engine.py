@@ -5,7 +5,8 @@ pipeline; with parallel.pipeline_stages > 1 the multi-process pipeline applies t
 
 Set-up, in order: the device mesh over every process (parallel/mesh.py: dp_replicate x dp_shard x pp x tp), the
 model's tensor-parallel plan on the "tp" axis, torch.compile per block (train.compile), `fully_shard` per block
-and on the root over the data-parallel axes with the run's precision policy (parallel/sharding.py, parallel/precision.py), then
+and on the root over the data-parallel axes with the run's precision policy (parallel/sharding.py, parallel/precision.py;
+under bf16/fp16 also with tensor parallelism alone, over one data-parallel rank: the layers compute in bf16), then
 the optimizer over the sharded parameters. Ranks of one tensor-parallel group read the same batch; each
 data-parallel rank its own slice of the global batch. FSDP2 averages gradients over the data-parallel ranks as
 DDP does, so with the same global batch the steps equal one process's (step.py).
@@ -83,6 +84,8 @@ class MeshEngine:
         self.name += cuts_line(sequence_parallel, self.loss_parallel)
         if self.fsdp and policy is not None:
             self.name += f"; FSDP2 mixed precision: parameters gathered and computed in {precision.name}, gradients reduced in fp32"
+            if layout.dp == 1:  # tensor parallel alone: FSDP2 over one rank, for its policy only (sharding.fsdp_wraps)
+                self.name += " (over one data-parallel rank: fp32 master weights, nothing gathered)"
 
     def _sync(self, last: bool):
         """FSDP2 reduce-scatters after the last micro-step only (unless parallel.reduce_every_microstep)."""

@@ -1,10 +1,13 @@
 """Mixed precision, one implementation for every engine: autocast, the fp16 loss scaler, FSDP2's policy.
 
 `train.mixed_precision` (or the launcher's, with `auto`) is no, bf16 or fp16:
-- bf16: the forward runs under `torch.autocast` in bfloat16; no loss scaling (bf16 has fp32's exponent range).
-  Parameters that FSDP2 shards instead get a `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`: they
-  are all-gathered in bf16 (half the bytes of fp32) and the module computes in bf16 without autocast, while
-  gradients are reduce-scattered in fp32 and the optimizer keeps fp32 master weights (parallel/sharding.py).
+- bf16: no loss scaling (bf16 has fp32's exponent range). The mesh engine and the multi-process pipeline (FSDP2,
+  tensor parallel, pipeline stages, with or without data-parallel replicas) wrap the model in FSDP2 with a
+  `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`: parameters are all-gathered in bf16 (half the bytes
+  of fp32; over one data-parallel rank only copied) and the layers compute in bf16 without autocast, so what they save
+  for backward is bf16, while gradients are reduced in fp32 and the optimizer keeps fp32 master weights
+  (parallel/sharding.py: `fsdp_wraps`). One process, DDP and the one-process pipeline run the forward under
+  `torch.autocast` in bfloat16 instead: the residual stream stays fp32 beside bf16 copies of each matmul's inputs.
 - fp16: autocast in float16 plus a loss scaler: `torch.amp.GradScaler` in one process, `ShardedGradScaler`
   across processes (it all-reduces "found an overflow", so every rank skips the same step whatever it holds: a
   shard, a pipeline stage, a replica). An overflow is the scaler's business, not a fault: the scaler skips that

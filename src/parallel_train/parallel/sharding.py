@@ -12,6 +12,13 @@ estimate counts exactly the parameters a real run holds.
 3. FSDP2 (`parallel.dp_shard`, with dp_replicate: HSDP): `fully_shard` on every unit the model names
    (`fsdp_units`: GPT's blocks, a Hugging Face model's decoder layers; one FSDP unit each: only one block's whole
    weights exist at a time), then on the model itself for the rest (embeddings, final norm, head). Over a TP model this shards the TP slices further (2-D DTensors).
+   Under bf16/fp16 (`mp_policy`) FSDP2 wraps even where there is one data-parallel rank (tensor parallel alone, pipeline
+   stages without replicas), over the dp_shard axis of size 1: its MixedPrecisionPolicy is what computes the layers in
+   bf16 from fp32 master weights (saved activations and the residual stream in bf16, half of autocast's fp32 stream
+   beside bf16 copies), and on one rank it gathers nothing (torch copies the shard into the bf16 buffer; the
+   reduce-scatter of one rank leaves the gradient as it is). One mechanism for every multi-process engine rather than a
+   second (bf16 module copies beside fp32 masters) beside it. 1 process, DDP and the zero-bubble schedules without
+   replicas keep autocast (`fsdp_wraps`; docs/parallelism.md, "Precision and compile").
 Parameter names never change, so checkpoints stay those of the unsplit model.
 """
 
@@ -116,6 +123,17 @@ def _holds(model: nn.Module, name: str) -> bool:
         return False
 
 
+def fsdp_wraps(layout: MeshLayout, low_precision: bool, split_backward: bool = False) -> bool:
+    """Whether an engine that puts FSDP2 over the data-parallel axes (the mesh engine, the multi-process pipeline) does
+    so for this layout: with several data-parallel ranks, or with one under bf16/fp16's policy (bf16 through the
+    layers: see the module docstring). Not for the policy alone under a schedule that splits each backward into the
+    input's and the weights' gradients (`split_backward`: interleavedzb, zbv, dualpipev): their losses left one
+    process's under FSDP2 (measured: 4.151 against 4.142 at step 2 of a 2-stage bf16 run, and the same gap with
+    data-parallel replicas in fp32), so there the stages autocast, as before. The engines and the memory estimate
+    ask this one function."""
+    return layout.dp > 1 or (low_precision and not split_backward)
+
+
 def parallelize(
     model: nn.Module,
     mesh,
@@ -130,7 +148,8 @@ def parallelize(
     compiled with its tensor-parallel collectives, and FSDP2's hooks stay outside the compiled code). `mesh` is
     mesh.build_device_mesh's (all four axes). `mp_policy`: FSDP2's MixedPrecisionPolicy (parallel/precision.py).
     `shard_data_parallel`: put FSDP2 over the data-parallel axes (default: when the layout shards; a pipeline
-    also asks for it with plain replicas, which FSDP2 then keeps whole and all-reduces like DDP).
+    also asks for it with plain replicas, which FSDP2 then keeps whole and all-reduces like DDP): where there are
+    several data-parallel ranks, or one under `mp_policy` (`fsdp_wraps`).
     `loss_parallel`: the logits stay cut by vocabulary (`logits_by_vocabulary`).
     Returns what was compiled, for the start banner ("" when nothing)."""
     if layout.tp > 1:
@@ -145,7 +164,7 @@ def parallelize(
         for unit in units:
             unit.compile()
         compiled = "the model" if units[0] is model else f"{len(units)} blocks, each on its own (torch.compile)"
-    if layout.dp > 1 and (layout.sharded if shard_data_parallel is None else shard_data_parallel):
+    if fsdp_wraps(layout, mp_policy is not None) and (layout.sharded if shard_data_parallel is None else shard_data_parallel):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         options = {"mesh": data_parallel_mesh(mesh, layout), "reshard_after_forward": reshard_after_forward}

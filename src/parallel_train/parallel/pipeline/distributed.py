@@ -44,7 +44,14 @@ from parallel_train.parallel.collectives import gather_to_rank0
 from parallel_train.parallel.ddp_engine import OptimizerFactory
 from parallel_train.parallel.mesh import MeshLayout, build_device_mesh, mesh_summary, share_line
 from parallel_train.parallel.pipeline.cost import measure_units
-from parallel_train.parallel.pipeline.placement import V_SHAPED, forward_through, rank_of_stage, stages_of_rank, stages_per_rank
+from parallel_train.parallel.pipeline.placement import (
+    SPLIT_BACKWARD,
+    V_SHAPED,
+    forward_through,
+    rank_of_stage,
+    stages_of_rank,
+    stages_per_rank,
+)
 from parallel_train.parallel.pipeline.split import describe_stages, plan_stages, stage_module
 from parallel_train.parallel.pipeline.tied import TiedAcrossStages
 from parallel_train.parallel.pipeline.timeline import Clock, Recorder, write_report
@@ -52,6 +59,7 @@ from parallel_train.parallel.precision import Precision
 from parallel_train.parallel.sharding import (
     clip_grad_norm,
     cuts_line,
+    fsdp_wraps,
     local_numel,
     loss_context,
     parallelize,
@@ -158,8 +166,10 @@ class MultiProcessPipelineEngine:
 
         mesh = build_device_mesh(layout, self.device.type)
         self.pp_group = mesh.get_group("pp")
-        # Each stage cut like a whole model: TP plan, compile per block, FSDP2 over the data-parallel replicas.
+        # Each stage cut like a whole model: TP plan, compile per block, FSDP2 over the data-parallel replicas, or over
+        # one rank under bf16/fp16, whose policy then computes the stage in bf16 (sharding.fsdp_wraps).
         policy = precision.fsdp_policy()
+        wraps = fsdp_wraps(layout, policy is not None, p.schedule in SPLIT_BACKWARD)
         for mod in self.stage_mods:
             self.compiled = parallelize(
                 mod,
@@ -167,10 +177,10 @@ class MultiProcessPipelineEngine:
                 layout,
                 mp_policy=policy,
                 compile=cfg.train.compile,
-                shard_data_parallel=layout.dp > 1,
+                shard_data_parallel=wraps,
                 loss_parallel=self.loss_parallel,
             )
-        self.autocast = not (layout.dp > 1 and policy is not None)  # FSDP2's policy already computes in bf16/fp16
+        self.autocast = not (wraps and policy is not None)  # FSDP2's policy already computes in bf16/fp16
         init.fill(self.local, self.device)  # parallel/model_init.py: only this rank's stages (its slices of them) get memory
         self.ties = ties
         self.tied = TiedAcrossStages(ties, plan, self.where, layout, rank, self.local)  # creates process groups: every rank
@@ -199,6 +209,7 @@ class MultiProcessPipelineEngine:
             + f", schedule {p.schedule}, {M} micro-batches"
             + (f" x {A} accumulation = {M * A} per step" if A > 1 else "")
             + f", {layout.dp} data-parallel replica{'s' if layout.dp > 1 else ''}; "
+            + (f"stages computed in {self.precision.name} by FSDP2's policy (fp32 master weights); " if not self.autocast else "")
             + share_line(layout, self.local_numel, total)
             + cuts_line(sequence_parallel, self.loss_parallel)
         )
