@@ -62,15 +62,15 @@ def test_the_layers_save_bf16_and_the_optimizer_steps_fp32(layout):
         assert {q.grad.dtype for q in engine.params if q.grad is not None} == {torch.float32}
 
 
-def test_a_zero_bubble_pipeline_without_replicas_keeps_autocast():
-    """zbv splits each backward into the input's gradient and the weights'; FSDP2 does not follow that split (its losses
-    left one process's), so its stages autocast as before, unwrapped (parallel/sharding.py fsdp_wraps)."""
+def test_a_zero_bubble_pipeline_without_replicas_computes_in_bf16_too():
+    """zbv splits each backward into the input's gradient and, later, the weights'; its stages stay unsharded from
+    forward to the weights' gradient (pipeline/distributed.py), so FSDP2's policy serves it as any schedule."""
     with fake_world(2):
         engine, _ = rank0_engine(
             "parallel.pipeline_stages=2", "parallel.microbatches=4", "parallel.schedule=zbv", "parallel.stages_per_rank=2"
         )
-        assert engine.autocast and not any(hasattr(m, "set_requires_gradient_sync") for m in engine.stage_mods)
-        assert "by FSDP2's policy" not in engine.name
+        assert not engine.autocast and all(hasattr(m, "set_requires_gradient_sync") for m in engine.stage_mods)
+        assert "by FSDP2's policy" in engine.name
 
 
 # Slow: two launches; the default suite runs the same policy over one rank in tests/test_pipeline.py's bf16 pipeline

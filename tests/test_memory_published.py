@@ -220,14 +220,13 @@ def test_fsdp2_bf16_policy_keeps_bf16_activations_where_autocast_keeps_fp32_too(
         (2, ["parallel.tp=2"], True),
         (2, ["parallel.pipeline_stages=2"], True),
         (4, ["parallel.dp_shard=2", "parallel.tp=2"], True),
-        (2, ["parallel.pipeline_stages=2", "parallel.schedule=zbv", "parallel.stages_per_rank=2", "parallel.microbatches=4"], False),
+        (2, ["parallel.pipeline_stages=2", "parallel.schedule=zbv", "parallel.stages_per_rank=2", "parallel.microbatches=4"], True),
     ],
 )
 def test_each_engine_is_estimated_in_its_own_bf16(world, keys, policy):
     """Under bf16 the estimate takes the precision each engine computes in: FSDP2's policy (bf16 activations, as the
     dp_shard case above measures) for the mesh engine and the pipeline, tensor parallel alone and stages without
-    replicas included (parallel/sharding.py fsdp_wraps); autocast for one process, DDP and a zero-bubble schedule's stages
-    without replicas (FSDP2 does not follow its split backward)."""
+    replicas included, zero-bubble schedules too (parallel/sharding.py fsdp_wraps); autocast for one process and DDP."""
     cfg, _ = load_config([*GPT, "train.mixed_precision=bf16", *keys])
     got_policy, autocast = _precision(cfg, resolve_layout(cfg, world, env={}))
     assert (got_policy is not None, autocast) == (policy, None if policy else torch.bfloat16)

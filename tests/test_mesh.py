@@ -50,7 +50,13 @@ LAUNCHES = {  # name -> (processes or accelerate config, overrides)
     "hsdp": (4, ("train.batch_size=1", "parallel.dp_replicate=2", "parallel.dp_shard=2")),
     "interleavedzb": (2, ("parallel.pipeline_stages=2", "parallel.microbatches=4", "parallel.schedule=interleavedzb")),
     "dualpipev": (2, ("parallel.pipeline_stages=2", "parallel.microbatches=4", "parallel.schedule=dualpipev")),
-    "fsdp2_pp2": (4, (*HALF, "parallel.dp_shard=2", "parallel.pipeline_stages=2", "parallel.microbatches=2")),
+    # FSDP2 over 2 replicas of a 2-stage zero-bubble pipeline: a stage's weights' gradients come after its inputs', with
+    # other micro-batches' forwards between (FSDP2 must keep the stage unsharded from forward to weight gradient)
+    "fsdp2_pp2_zbv": (
+        4,
+        ("train.batch_size=4", "train.gradient_accumulation_steps=1", "parallel.dp_shard=2", "parallel.pipeline_stages=2")
+        + ("parallel.microbatches=4", "parallel.schedule=zbv"),
+    ),
     "fsdp_tp_yaml": ("fsdp_tp", (*HALF, "train.mixed_precision=no")),
 }
 
@@ -211,7 +217,9 @@ def test_fsdp2_in_fp16_scales_the_loss_and_skips_an_overflow_on_every_rank(launc
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", ["hsdp", "interleavedzb", "dualpipev", "fsdp2_pp2", pytest.param("fsdp_tp_yaml", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "name", ["hsdp", "interleavedzb", "dualpipev", "fsdp2_pp2_zbv", pytest.param("fsdp_tp_yaml", marks=pytest.mark.slow)]
+)
 def test_more_meshes_equal_one_process(launched, name):
     out, log = launched(name)
     assert_same_training(out, launched("ref")[0])

@@ -16,8 +16,9 @@ is full gets the same number in both.
 
 What the figures assume, stated: fp32 parameters, gradients and optimizer state (AdamW: two moments per parameter,
 SGD none), gradients and state only for the parameters that train (LoRA: the adapters); FSDP2 gathers copies in its policy's dtype: two blocks at a time (one computing, one prefetched) plus the
-root's own parameters (embeddings, head). In a pipeline, torch's PipelineStage keeps an FSDP2 stage unsharded from
-its first backward to the last (whole parameters, and whole fp32 gradients accumulating), keeps a receive buffer per
+root's own parameters (embeddings, head). In a pipeline an FSDP2 stage stays unsharded from its first forward to the
+step's end (reshard_after_forward=False, pipeline/distributed.py; torch's PipelineStage keeps it so from its first
+backward anyway): whole parameters, and whole fp32 gradients accumulating. torch's PipelineStage keeps a receive buffer per
 micro-batch for each stage's input and its output's gradient, and holds the micro-batches
 its schedule has in flight: torch's own order of actions, walked (pipeline/in_flight.py). The peak is the larger
 of the start of backward (activations and scratch, no gradients: each step sets them to None) and its end (all
@@ -41,7 +42,7 @@ from parallel_train.parallel.activation_memory import PartBytes, block_names, ke
 from parallel_train.parallel.mesh import MeshLayout, build_device_mesh, resolve_layout
 from parallel_train.parallel.parts import fsdp_units, model_units
 from parallel_train.parallel.pipeline.in_flight import in_flight_bytes
-from parallel_train.parallel.pipeline.placement import SPLIT_BACKWARD, stages_of_rank, stages_per_rank
+from parallel_train.parallel.pipeline.placement import stages_of_rank, stages_per_rank
 from parallel_train.parallel.pipeline.split import plan_stages, stage_module
 from parallel_train.parallel.precision import DTYPES
 from parallel_train.parallel.sharding import fsdp_wraps, local_numel, loss_context, parallelize, tensor_parallel_cuts
@@ -134,8 +135,7 @@ def _precision(cfg: Config, layout: MeshLayout):
 
 def _fsdp(cfg: Config, layout: MeshLayout) -> bool:
     """Whether the run's engine wraps the model (or its stages) in FSDP2: the engines' own rule (sharding.fsdp_wraps)."""
-    split = layout.pp > 1 and cfg.parallel.schedule in SPLIT_BACKWARD
-    return _mesh_or_pipeline(layout) and fsdp_wraps(layout, cfg.train.mixed_precision in DTYPES, split)
+    return _mesh_or_pipeline(layout) and fsdp_wraps(layout, cfg.train.mixed_precision in DTYPES)
 
 
 def build_shapes(model_cfg, vocab_size: int):
@@ -287,8 +287,8 @@ def estimate(cfg: Config, world: int, vocab_size: int, sample: tuple[torch.Tenso
         mine = [n for i in ids for n in plan[i]] + (["loss"] if len(plan) - 1 in ids else [])
         grads, buffers = 4 * trainable, gathered * param_bytes  # frozen weights (LoRA's base) have neither gradients nor state
         if layout.pp > 1 and _fsdp(cfg, layout):
-            # torch's PipelineStage keeps an FSDP2 stage unsharded between micro-batches (set_reshard_after_backward(False),
-            # no gradient sync until the last one): its whole parameters in the policy's dtype, and its whole gradients
+            # An FSDP2 stage stays unsharded between micro-batches (reshard_after_forward=False; PipelineStage's
+            # set_reshard_after_backward(False), no gradient sync until the last one): its whole parameters in the policy's dtype, and its whole gradients
             # accumulated in fp32 until the reduce-scatter after the last backward.
             grads, buffers = 4 * trainable * layout.dp_shard, param_bytes * numel * layout.dp_shard
         accumulating = cfg.train.gradient_accumulation_steps > 1 or layout.pp > 1

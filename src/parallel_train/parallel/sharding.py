@@ -17,8 +17,8 @@ estimate counts exactly the parameters a real run holds.
    bf16 from fp32 master weights (saved activations and the residual stream in bf16, half of autocast's fp32 stream
    beside bf16 copies), and on one rank it gathers nothing (torch copies the shard into the bf16 buffer; the
    reduce-scatter of one rank leaves the gradient as it is). One mechanism for every multi-process engine rather than a
-   second (bf16 module copies beside fp32 masters) beside it. 1 process, DDP and the zero-bubble schedules without
-   replicas keep autocast (`fsdp_wraps`; docs/parallelism.md, "Precision and compile").
+   second (bf16 module copies beside fp32 masters) beside it. 1 process and DDP keep autocast (`fsdp_wraps`;
+   docs/parallelism.md, "Precision and compile").
 Parameter names never change, so checkpoints stay those of the unsplit model.
 """
 
@@ -123,15 +123,11 @@ def _holds(model: nn.Module, name: str) -> bool:
         return False
 
 
-def fsdp_wraps(layout: MeshLayout, low_precision: bool, split_backward: bool = False) -> bool:
+def fsdp_wraps(layout: MeshLayout, low_precision: bool) -> bool:
     """Whether an engine that puts FSDP2 over the data-parallel axes (the mesh engine, the multi-process pipeline) does
     so for this layout: with several data-parallel ranks, or with one under bf16/fp16's policy (bf16 through the
-    layers: see the module docstring). Not for the policy alone under a schedule that splits each backward into the
-    input's and the weights' gradients (`split_backward`: interleavedzb, zbv, dualpipev): their losses left one
-    process's under FSDP2 (measured: 4.151 against 4.142 at step 2 of a 2-stage bf16 run, and the same gap with
-    data-parallel replicas in fp32), so there the stages autocast, as before. The engines and the memory estimate
-    ask this one function."""
-    return layout.dp > 1 or (low_precision and not split_backward)
+    layers: see the module docstring). The engines and the memory estimate ask this one function."""
+    return layout.dp > 1 or low_precision
 
 
 def parallelize(

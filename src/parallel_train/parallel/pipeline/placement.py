@@ -19,9 +19,6 @@ import torch.distributed as dist
 
 LOOPED = ("interleaved1f1b", "interleavedzb")
 V_SHAPED = ("zbv", "dualpipev")
-# Schedules that split each backward into the input's gradient and the weights' (later): FSDP2 does not follow them
-# (sharding.fsdp_wraps)
-SPLIT_BACKWARD = ("interleavedzb", "zbv", "dualpipev")
 
 
 def stages_per_rank(schedule: str, requested: int) -> int:
