@@ -6,8 +6,8 @@ The guide's code blocks say where they go on their first line, which this test f
     # PATH: add to class NAME         the dict literal NAME = {...} / the body of class NAME
     # PATH: add at the end            imports join the file's imports; the other lines are appended
     # PATH: replace NAME              the block replaces the top-level function NAME
-Its ```bash commands run in the copy, in order, after the blocks of their section; training commands get
-tiny sizes (helpers.TINY) before their own keys and torchrun a free port. Lines marked `# needs the Hub` are skipped.
+Its ```bash commands run in the copy, in order, after the blocks of their section, their ranks forked warm (the
+launchers are tested elsewhere); training commands get tiny sizes (helpers.TINY) before their own keys. Lines marked `# needs the Hub` are skipped.
 Section 2's data files are the user's own; the test writes small ones where the guide says they are.
 """
 
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import ACCELERATE, PYTHON, REPO, TINY, TORCHRUN, WarmCmd, check, doc_section, free_port, launch_env, read_metrics, run
+from helpers import REPO, TINY, WarmCmd, check, doc_section, launch_env, read_metrics, run
 from parallel_train.data.tokenizers import load_saved, load_tokenizer
 
 pytestmark = pytest.mark.multiprocess
@@ -108,27 +108,15 @@ def apply_block(root: Path, code: str) -> str:
 # ---------------------------------------------------------------- running a command
 
 
-def command(line: str, real_launchers: set[str]) -> list[str]:
-    """The guide's command line, with this venv's executables, tiny sizes and a free port. The first command of
-    each launcher (python, accelerate launch, torchrun) runs as written; the later ones run their ranks forked warm
-    from a process that imported torch and the libraries once (helpers.WarmCmd, fresh: the template itself is the
-    copy's, as the guide has changed it), which is what the test has time for."""
+def command(line: str) -> WarmCmd:
+    """The guide's command line, its ranks forked warm from a process that imported torch and the libraries once
+    (helpers.WarmCmd, fresh: the template itself is the copy's, as the guide has changed it), with tiny sizes. The
+    launchers themselves (python, accelerate launch, torchrun) are the business of tests/test_topologies.py and
+    tests/test_reliability.py; here the point is what the guide's changes do."""
     args = shlex.split(line, comments=True)
-    if args[0] in real_launchers:
-        return warm_command(args)
-    real_launchers.add(args[0])
-    if args[0] == "python":
-        args[0] = PYTHON
-    elif args[0] == "accelerate":
-        args[0] = ACCELERATE
-    elif args[0] == "torchrun":
-        args = [TORCHRUN, "--master-port", str(free_port()), *args[1:]]
-    else:
+    if args[0] not in ("python", "accelerate", "torchrun"):
         raise AssertionError(f"the guide runs {args[0]!r}; teach this test how to run it")
-    if "train.py" in args:  # before the guide's own keys, which win (a resumed run's train.max_steps)
-        at = args.index("train.py") + 1
-        args[at:at] = TINY
-    return args
+    return warm_command(args)
 
 
 def warm_command(args: list[str]) -> WarmCmd:
@@ -193,7 +181,7 @@ def test_customize_guide_as_written_trains_on_two_processes(tmp_path):
     write_user_data(root)
     env = launch_env(tmp_path)
     guide = sections(doc_section("guide", "Make it yours"))
-    changed, ran, skipped, real = [], {}, 0, set()
+    changed, ran, skipped = [], {}, 0
     for heading, blocks in guide:
         for language, code in blocks:
             if language == "python":
@@ -203,7 +191,7 @@ def test_customize_guide_as_written_trains_on_two_processes(tmp_path):
                     if SKIPPED in line:
                         skipped += 1
                         continue
-                    result = check(run(command(line, real), env=env, cwd=root, timeout=420))
+                    result = check(run(command(line), env=env, cwd=root, timeout=420))
                     ran[line] = result
                     assert "Traceback" not in result.output, (heading, line, result.output[-3000:])
     # skipped: the Hub dataset of 2b; section 4's install and fine-tunes; section 5's downloads and runs
@@ -258,9 +246,9 @@ def test_customize_guide_as_written_trains_on_two_processes(tmp_path):
     ).is_file()
 
     # The new key is typed and documented like the others; the new names are validated like the others.
-    help_text = check(run([PYTHON, "train.py", "--help"], cwd=root, env=env, timeout=60)).stdout
+    help_text = check(run(WarmCmd(1, "train.py", ("--help",), fresh=True), cwd=root, env=env, timeout=60)).stdout
     own_keys = help_text.split("with model.name=char_rnn:")[1].split("with model.name=")[0]
     assert re.search(r"model\.rnn_residual\s+bool\s+default True\s+add each GRU layer", own_keys)
     assert re.search(r"model\.n_layer\s+int\s+default 2\s", own_keys)
-    bad = run([PYTHON, "train.py", "data.source=dialog"], cwd=root, env=env, timeout=60)
+    bad = run(WarmCmd(1, "train.py", ("data.source=dialog",), fresh=True), cwd=root, env=env, timeout=60)
     assert bad.returncode == 2 and "known: dialogue, text, utterances" in bad.stderr
