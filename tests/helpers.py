@@ -89,6 +89,10 @@ class WarmCmd(list):
         self.nproc, self.script, self.args, self.fresh = nproc, script, list(args), fresh
 
 
+# Every test this session collected, before deselection: ({name: [slow?, ...]}, {test file paths}); set by conftest.py.
+COLLECTED: tuple[dict[str, list[bool]], set[str]] | None = None
+
+
 def warm_cmd(nproc: int, *overrides: str) -> WarmCmd:
     """train.py on `nproc` ranks."""
     return WarmCmd(nproc, "train.py", overrides)

@@ -144,7 +144,13 @@ def pytest_collection_finish(session):
 
 @pytest.fixture(scope="module")
 def collected(tmp_path_factory) -> dict[str, bool]:
-    """Every test pytest collects (slow or not): name -> whether every test of that name is marked slow."""
+    """Every test pytest collects (slow or not): name -> whether every test of that name is marked slow. This session's
+    own collection when it took every test file (conftest.py), else a collection of the whole suite in a subprocess."""
+    import helpers
+
+    found, files = helpers.COLLECTED or ({}, set())
+    if {str(p) for p in (REPO / "tests").glob("test_*.py")} <= files:
+        return {name: all(flags) for name, flags in found.items()}
     tmp = tmp_path_factory.mktemp("collect")
     (tmp / "slow_report.py").write_text(REPORT_PLUGIN)
     env = launch_env(tmp, SLOW_REPORT=str(tmp / "report.json"), PYTHONPATH=str(tmp))
