@@ -14,7 +14,7 @@ import matplotlib
 import pytest
 import yaml
 
-from helpers import TINY, accelerate_cmd, check, free_port, launch_env, read_metrics, run, warm_cmd
+from helpers import TINY, check, free_port, launch_env, read_metrics, run, warm_cmd
 
 pytestmark = pytest.mark.multiprocess
 
@@ -87,7 +87,7 @@ def expected_tracker_values(metrics: list[dict]) -> dict[tuple[int, str], float]
 
 def test_wandb_offline_without_credentials_on_two_processes_then_resume(tmp_path):
     out, env = tmp_path / "run", no_credentials_env(tmp_path)
-    first = check(run(accelerate_cmd("multi_cpu", *FEW, "tracker=wandb", f"output_dir={out}"), env=env))
+    first = check(run(warm_cmd(2, *FEW, "tracker=wandb", f"output_dir={out}"), env=env))  # accelerate launch: test_topologies
 
     # One line says why it is offline; at the end, how to upload. Both once (main process only).
     assert first.output.count("no credentials found") == 1, first.output

@@ -14,7 +14,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from helpers import TINY, check, launch_env, read_metrics, run, summary, train_losses, warm_cmd
+from helpers import TINY, accelerate_cmd, check, launch_env, read_metrics, run, summary, train_losses, warm_cmd
 
 pytestmark = pytest.mark.multiprocess
 
@@ -29,9 +29,8 @@ def runs(tmp_path_factory):
     env = launch_env(tmp)
     out = {name: tmp / name for name in ("single", "ddp", "accum", "resumed")}
     check(run(warm_cmd(1, *GLOBAL8, "train.batch_size=8", f"output_dir={out['single']}"), env=env))
-    ddp = check(
-        run(warm_cmd(2, *GLOBAL8, "train.batch_size=4", f"output_dir={out['ddp']}"), env=env)
-    )  # accelerate launch: test_tracking, test_topologies
+    # a real `accelerate launch --config_file accelerate_configs/multi_cpu.yaml` (docs/topologies.md)
+    ddp = check(run(accelerate_cmd("multi_cpu", *GLOBAL8, "train.batch_size=4", f"output_dir={out['ddp']}"), env=env))
     check(run(warm_cmd(1, *GLOBAL8, "train.batch_size=2", "train.gradient_accumulation_steps=4", f"output_dir={out['accum']}"), env=env))
     # Stop after 3 steps, then continue to 6 with resume=auto (the default).
     check(run(warm_cmd(1, *GLOBAL8, "train.batch_size=8", "train.max_steps=3", f"output_dir={out['resumed']}"), env=env))
