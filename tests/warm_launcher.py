@@ -39,6 +39,7 @@ sys.path.insert(0, str(REPO / "src"))
 # What a run imports, imported once here and shared by every forked rank (late imports included).
 import accelerate  # noqa: E402,F401
 import datasets  # noqa: E402,F401
+import peft  # noqa: E402,F401  (LoRA runs: 1 s per rank otherwise)
 import torch.distributed.checkpoint  # noqa: E402,F401
 import torch.distributed.fsdp  # noqa: E402,F401
 import torch.distributed.pipelining  # noqa: E402,F401
