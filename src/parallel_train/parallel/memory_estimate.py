@@ -121,8 +121,7 @@ def _mesh_or_pipeline(layout: MeshLayout) -> bool:
 def _precision(cfg: Config, layout: MeshLayout):
     """(FSDP2's MixedPrecisionPolicy or None, the autocast dtype or None), as the engines pick them
     (parallel/precision.py): where FSDP2 wraps, its policy computes in bf16/fp16 (the mesh engine and the pipeline, over
-    one data-parallel rank where there is one) and nothing autocasts; one process, DDP and a zero-bubble pipeline
-    without replicas autocast."""
+    one data-parallel rank where there is one) and nothing autocasts; one process and DDP autocast."""
     dtype = DTYPES.get(cfg.train.mixed_precision)
     if dtype is None:
         return None, None

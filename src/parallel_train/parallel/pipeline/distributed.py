@@ -47,13 +47,7 @@ from parallel_train.parallel.collectives import gather_to_rank0
 from parallel_train.parallel.ddp_engine import OptimizerFactory
 from parallel_train.parallel.mesh import MeshLayout, build_device_mesh, mesh_summary, share_line
 from parallel_train.parallel.pipeline.cost import measure_units
-from parallel_train.parallel.pipeline.placement import (
-    V_SHAPED,
-    forward_through,
-    rank_of_stage,
-    stages_of_rank,
-    stages_per_rank,
-)
+from parallel_train.parallel.pipeline.placement import V_SHAPED, forward_through, rank_of_stage, stages_of_rank, stages_per_rank
 from parallel_train.parallel.pipeline.split import describe_stages, plan_stages, stage_module
 from parallel_train.parallel.pipeline.tied import TiedAcrossStages
 from parallel_train.parallel.pipeline.timeline import Clock, Recorder, write_report
