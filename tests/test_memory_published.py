@@ -9,7 +9,10 @@ docs/BENCHMARKS.md has the table, the commands and why the figures differ.
 
 from __future__ import annotations
 
+import functools
 import json
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,6 +51,9 @@ PIPELINE = ["model.block_size=8192", "train.batch_size=32", "parallel.dp_shard=8
 PIPELINE += ["parallel.microbatches=8", "model.activation_checkpointing=full"]
 ROWS["T5-1f1b"] = ("405b", 512, 82.5, [*PIPELINE, "parallel.schedule=1f1b"])
 ROWS["T5-interleaved"] = ("405b", 512, 72.7, [*PIPELINE, "parallel.schedule=interleaved1f1b"])
+# Table 6's first row (FSDP 8, CP 1): T5's layout and 1F1B schedule with 8 micro-batches of one 32,768-token sample, so
+# every tensor a rank holds has T5 1F1B's size; torchtitan measured it 7.2 GiB below T5 1F1B.
+ROWS["T6"] = ("405b", 512, 75.3, ["model.block_size=32768", "train.batch_size=8", *PIPELINE[2:], "parallel.schedule=1f1b"])
 
 
 def llama_folder(root, name: str):
@@ -82,42 +88,56 @@ def llama_folder(root, name: str):
     return folder
 
 
-def estimated_gib(tmp_path, row: str) -> float:
+@functools.cache
+def estimated_gib(row: str) -> float:
+    """The largest rank's estimate for a published row (once per session: the 405B rows take 20-25 s each)."""
     name, world, _, keys = ROWS[row]
-    cfg, _ = load_config([*COMMON, f"model.hf_path={llama_folder(tmp_path, name)}", *keys])
+    cfg, _ = load_config([*COMMON, f"model.hf_path={llama_folder(Path(tempfile.mkdtemp()), name)}", *keys])
     data = load_data(cfg)
     _, ranks = estimate(cfg, world, data.vocab_size, data.train_set[0])
     return max(r.total() for r in ranks) / GIB  # torchtitan reports the largest over all GPUs
 
 
-# T5 1F1B misses by 1% (0.84 of torchtitan's reserved figure; docs/BENCHMARKS.md says why): strict, so that a change
-# which brings it inside shows here.
-T5_1F1B_MISSES = pytest.mark.xfail(strict=True, reason="0.84 of torchtitan's 82.5 GiB: docs/BENCHMARKS.md, Why the figures differ")
+# T4 and T5 1F1B miss (0.83 and 0.81 of torchtitan's reserved figures; docs/BENCHMARKS.md says why): strict, so that a
+# change which brings them inside shows here.
+MISSES = pytest.mark.xfail(
+    strict=True, reason="live tensors below torchtitan's reserved memory: docs/BENCHMARKS.md, Why the figures differ"
+)
 
 
 @pytest.mark.parametrize(
     "row",
     [
-        "T1",  # by default one published row, the rest slow: 6-60 s each here
+        "T1",  # by default one published row, the rest slow: 3-25 s each here
         pytest.param("T2", marks=pytest.mark.slow),
-        pytest.param("T4", marks=pytest.mark.slow),
-        pytest.param("T5-1f1b", marks=[pytest.mark.slow, T5_1F1B_MISSES]),
+        pytest.param("T4", marks=[pytest.mark.slow, MISSES]),
+        pytest.param("T5-1f1b", marks=[pytest.mark.slow, MISSES]),
         pytest.param("T5-interleaved", marks=pytest.mark.slow),
+        pytest.param("T6", marks=pytest.mark.slow),
     ],
 )
-def test_estimate_is_within_15_percent_of_torchtitan(tmp_path, row):
-    got, published = estimated_gib(tmp_path, row), ROWS[row][2]
+def test_estimate_is_within_15_percent_of_torchtitan(row):
+    got, published = estimated_gib(row), ROWS[row][2]
     assert abs(got / published - 1) <= 0.15, f"{row}: estimated {got:.1f} GiB, torchtitan {published} GiB"
 
 
 @pytest.mark.slow
-def test_interleaved_and_1f1b_differ_as_torch_orders_them(tmp_path):
+def test_interleaved_and_1f1b_differ_as_torch_orders_them():
     """The two schedules give different figures, from torch's own order (docs/BENCHMARKS.md): with 8 micro-batches
-    interleaved 1F1B holds 128 layer inputs in flight on ranks 1-3 where 1F1B's largest holds 120 (rank 0) or 112
-    (rank 1), and twice the receive buffers (two stages per rank), so it is estimated 5-10% above 1F1B; torchtitan
-    measured it 12% below, which nothing in its table explains."""
-    one, interleaved = estimated_gib(tmp_path, "T5-1f1b"), estimated_gib(tmp_path, "T5-interleaved")
-    assert 1.05 < interleaved / one < 1.1, (one, interleaved)
+    interleaved 1F1B holds 128 layer inputs in flight on ranks 1-3 where 1F1B's largest rank holds 112 (rank 1), and
+    twice the receive buffers (two stages per rank), so it is estimated about 4% above 1F1B; torchtitan measured it
+    12% below, which nothing in its table explains."""
+    one, interleaved = estimated_gib("T5-1f1b"), estimated_gib("T5-interleaved")
+    assert 1.02 < interleaved / one < 1.08, (one, interleaved)
+
+
+@pytest.mark.slow
+def test_t5_1f1b_and_table_6s_first_row_hold_tensors_of_one_size():
+    """8 micro-batches of 4 x 8,192 tokens (T5) or of 1 x 32,768 (T6, CP 1) on one layout and schedule: every layer
+    input, receive buffer, recomputation and logits slice has the same bytes, so the estimates agree within 0.5 GiB;
+    torchtitan measured 82.5 and 75.3 GiB, 7.2 GiB apart, which no tensor's size accounts for (the allocator's
+    reserved memory, docs/BENCHMARKS.md)."""
+    assert abs(estimated_gib("T5-1f1b") - estimated_gib("T6")) < 0.5
 
 
 def test_pipeline_schedules_hold_what_torch_orders():
@@ -152,6 +172,16 @@ def estimated(world: int, *keys: str):
     cfg, _ = load_config([*GPT, *keys])
     data = load_data(cfg)
     return estimate(cfg, world, data.vocab_size, data.train_set[0])[1][0]
+
+
+def test_a_pipelines_last_stage_holds_each_micro_batchs_logits_until_its_backward():
+    """torch's PipelineStage keeps a stage's output per micro-batch (its fwd_cache) until that micro-batch's backward:
+    on the last stage, the logits, which one process frees once the loss has its log-probabilities."""
+    cfg, _ = load_config([*GPT, "parallel.pipeline_stages=2", "parallel.microbatches=2", "parallel.schedule=1f1b"])
+    data = load_data(cfg)
+    last = estimate(cfg, 2, data.vocab_size, data.train_set[0])[1][-1]
+    assert last.breakdown["head"] == 2 * 64 * data.vocab_size * 4  # a micro-batch of 2 x 64 tokens, fp32 logits
+    assert estimated(1).breakdown["head"] == 0
 
 
 def test_each_checkpointing_mode_keeps_what_it_says():
@@ -195,6 +225,25 @@ def test_lora_trains_only_its_adapters(tmp_path):
     assert adapters == 2 * 8 * ((512 + 512) + (512 + 512))
     assert (lora.grads, lora.optimizer) == (4 * adapters, 8 * adapters)
     assert (whole.grads, whole.optimizer) == (4 * whole.param_numel, 8 * whole.param_numel)
+
+
+def test_a_hub_decoder_keeps_no_attention_mask_unless_its_batch_is_packed(tmp_path):
+    """An unpacked batch's causal mask is SDPA's own (no tensor) in a run; the estimate's fake forward must see the
+    same: given 0..T-1 as position ids, transformers cannot read fake values to find there is no packing and built a
+    (B, 1, T, T) mask a run never has (1 GiB per micro-batch for torchtitan's 70B row). A packed batch keeps its mask."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from parallel_train.models.hf import HFCausalLM, HFConfig
+    from parallel_train.models.hf_layouts import LayerInputs
+
+    cfg = HFConfig(name="hf", hf_path=str(llama_folder(tmp_path, "tiny")), hf_pretrained=False, block_size=64)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = HFCausalLM(cfg, 128256)
+        args = (model.hf.model, model.layout, model.hf.config, torch.empty(2, 64, 512))
+        cpu = torch.device("cpu")
+        assert LayerInputs(*args).for_layer(0, cpu)["attention_mask"] is None
+        packed = LayerInputs(*args, positions=torch.arange(64).repeat(2, 1))
+        assert packed.for_layer(0, cpu)["attention_mask"].shape == (2, 1, 64, 64)
 
 
 def estimate_hf(keys: list[str]):

@@ -111,11 +111,15 @@ class LayerInputs:
         self.padding = padding  # a dict batch's attention_mask (B, T), 1 = a real token, or None: no padding
         self.cache: dict[torch.device, dict[str, Any]] = {}
 
-    def _masks(self, embeds: torch.Tensor, positions: torch.Tensor) -> dict[str, Any]:
+    def _masks(self, embeds: torch.Tensor) -> dict[str, Any]:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         padding = None if self.padding is None else self.padding.to(embeds.device)
-        args = {"config": self.config, "inputs_embeds": embeds, "attention_mask": padding, "cache": None, "position_ids": positions}
+        # Position ids go to the masks only when the batch is packed. For 0..T-1 transformers reads them to find
+        # there is no packing (a device sync per stage and micro-batch) and then lets SDPA mask causally without a
+        # tensor; on fake tensors (the memory estimator) it cannot read them and builds a (B, 1, T, T) mask a run never has.
+        packed = None if self.positions is None else self.positions.to(embeds.device)
+        args = {"config": self.config, "inputs_embeds": embeds, "attention_mask": padding, "cache": None, "position_ids": packed}
         masks = {"full_attention": create_causal_mask(**args)}
         if "sliding_attention" in (getattr(self.config, "layer_types", None) or ()) or getattr(self.config, "sliding_window", None):
             masks["sliding_attention"] = create_sliding_window_causal_mask(**args)
@@ -125,7 +129,7 @@ class LayerInputs:
         positions = torch.arange(self.length, device=device)[None] if self.positions is None else self.positions.to(device)
         # Only the shape, dtype and device of the hidden states matter to the masks and the rotary module.
         embeds = torch.empty(self.batch, self.length, 0, dtype=self.dtype, device=device)
-        out = {"position_ids": positions, "masks": self._masks(embeds, positions)}
+        out = {"position_ids": positions, "masks": self._masks(embeds)}
         if self.layout.rotary:
             rotary = getattr(self.base, self.layout.rotary)
             where = next(rotary.buffers(), positions).device  # one rotary module serves stages on every device

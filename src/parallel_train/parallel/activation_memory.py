@@ -80,9 +80,12 @@ def block_names(model: nn.Module) -> set[str]:
     return {name for name, m in model_units(model).items() if id(m) in blocks}
 
 
-def kept_per_part(model: nn.Module, forward, x: torch.Tensor, y: torch.Tensor, autocast_dtype, loss_context, blocks: set[str]) -> PartBytes:
+def kept_per_part(
+    model: nn.Module, forward, x: torch.Tensor, y: torch.Tensor, autocast_dtype, loss_context, blocks: set[str], keep_output: bool = False
+) -> PartBytes:
     """What one training forward (`forward(x)`: the model, or its pipeline stages in turn) and the loss keep alive, by
-    part of `model`. Run on fake tensors."""
+    part of `model`. Run on fake tensors. `keep_output`: the model's output (the logits) is held until backward whether
+    or not the loss saved it, as torch's PipelineStage holds its last stage's output per micro-batch (its fwd_cache)."""
     units = model_units(model)
     current, inputs = ["loss"], {}
 
@@ -101,7 +104,8 @@ def kept_per_part(model: nn.Module, forward, x: torch.Tensor, y: torch.Tensor, a
             out = forward(x)
             current[0] = "loss"
             loss = loss_fn(out, y)
-            del out  # a run keeps the logits only where the loss saved them
+            if not keep_output:
+                del out  # a run keeps the logits only where the loss saved them
     finally:
         for h in handles:
             h.remove()
@@ -116,4 +120,4 @@ def kept_per_part(model: nn.Module, forward, x: torch.Tensor, y: torch.Tensor, a
         result.kept[part] = result.kept.get(part, 0) + n
         result.largest[part] = max(result.largest.get(part, 0), n)
     del loss
-    return result
+    return result  # `out`, where kept, is freed here: it was counted while alive

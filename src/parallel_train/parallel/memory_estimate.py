@@ -61,9 +61,13 @@ DEVICE_GIB = {
     "rtx4090": 24,
     "mi300x": 192,
 }
-# Share of a device's memory tensors can use: the CUDA context, NCCL's buffers and the allocator's
-# fragmentation take the rest (a rule of thumb, not a measurement).
-USABLE = 0.9
+# Share of a device's memory the estimated live tensors may fill for the verdict "fits": the caching allocator reserves
+# more than the live peak (its pools and fragmentation), and the CUDA context and NCCL's buffers sit beside it.
+# torchtitan's published reserved memory ran 1.04-1.23x this estimate on the same layouts (docs/BENCHMARKS.md, rows
+# T1-T6). At 0.9 an 80 GiB device would have been called a fit for T1 and T5 1F1B, which reserved 82.4 and 82.5 GiB;
+# at 0.8 no row that reserved more than 80 GiB is called a fit (T4, 71.9 reserved, is; T5 interleaved and T6, 72.7
+# and 75.3, are called too big: cautious, where the other way loses a launch).
+USABLE = 0.8
 
 
 @dataclass
@@ -206,7 +210,8 @@ def _activations(cfg: Config, layout: MeshLayout, vocab_size: int, mesh, sample,
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
         x, y = (torch.stack([t] * micro) for t in sample)
-        return kept_per_part(model.train(), forward, x, y, autocast, loss_context(logits_cut), blocks)
+        # a pipeline's last stage holds each in-flight micro-batch's output (the logits) until its backward
+        return kept_per_part(model.train(), forward, x, y, autocast, loss_context(logits_cut), blocks, keep_output=layout.pp > 1)
 
 
 def _with_checkpointing(model_cfg, mode: str):
