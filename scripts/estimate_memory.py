@@ -95,19 +95,10 @@ def report(cfg, layout, ranks, capacity_gib: float, device: str, total_params: i
 def main() -> int:
     args, rest = parse(sys.argv[1:])
     from parallel_train.config.load import load_config
-    from parallel_train.data.sources import load_data
-    from parallel_train.models import build_model
-    from parallel_train.parallel.memory_estimate import DEVICE_GIB, as_json, estimate
+    from parallel_train.parallel.memory_estimate import DEVICE_GIB, as_json, estimate_config
 
     cfg, _ = load_config(rest)
-    data = load_data(cfg)  # the vocabulary size (a run reads it from the data too) and one sample's shape
-    ds = data.train_set
-    sample = ds[0]
-    import torch
-
-    with torch.device("meta"):
-        total = sum(q.numel() for q in build_model(cfg.model, data.vocab_size).parameters())
-    layout, ranks = estimate(cfg, args.world, data.vocab_size, sample)
+    layout, ranks, total = estimate_config(cfg, args.world)  # the data read as a run reads it, at its widest sample
     capacity = args.device_gib or DEVICE_GIB[args.device]
     if args.json:
         print(json.dumps({**as_json(layout, ranks), "total_params": total, "device_gib": capacity}, indent=1))

@@ -146,6 +146,19 @@ def llama_model(chat) -> torch.nn.Module:
     return HFCausalLM(HFConfig(name="hf", hf_path=str(chat["model"]), block_size=64), 300).eval()
 
 
+def test_the_memory_estimator_reads_chat_rows_padded_and_packed(chat):
+    """scripts/estimate_memory.py on chat data (its datasets batch themselves): padded rows at the widest batch's width,
+    packed rows with their positions, which make transformers keep the documents apart with a (B, 1, T, T) mask that
+    a run holds and the estimate counts (4 x 128 x 128 bytes here, at the same width as the padded rows)."""
+    from parallel_train.config.load import load_config
+    from parallel_train.parallel.memory_estimate import estimate_config
+
+    keys = ["model.name=hf", f"model.hf_path={chat['model']}", f"data.path={chat['rows']}", "data.format=chat", "data.truncate=true"]
+    keys += [f"model.block_size={T}", "train.batch_size=4"]
+    padded, packed = (estimate_config(load_config([*keys, f"data.packing={p}"])[0], 1)[1][0] for p in ("false", "true"))
+    assert packed.activations - padded.activations >= 4 * T * T
+
+
 @pytest.mark.parametrize("name", ["gpt", "llama"])
 def test_packed_batch_loss_equals_the_same_samples_padded(chat, name):
     """The per-token loss of packed rows equals the same samples one per row, padded, within 1e-5; so does every

@@ -65,14 +65,15 @@ def test_estimate_is_within_ten_percent_of_each_ranks_measured_peak(tmp_path, ce
         "lora-fsdp2",
         "tp2-bf16",
         "pp2-1f1b-bf16",
+        "bert-cls-fsdp2",
     ],
 )
 def test_more_layouts_are_within_ten_percent(tmp_path, cell_id):
     """The rest of the table's kinds: full checkpointing, DDP, FSDP2, tensor parallel, DP x TP, 4-stage pipelines, TP inside
     pipeline stages (sequence and loss parallel there; GPT and a Hub Llama), LoRA, bf16 through the layers of tensor
-    parallel and of pipeline stages (FSDP2's policy over one data-parallel rank);
+    parallel and of pipeline stages (FSDP2's policy over one data-parallel rank), a BERT classifier on dict batches under FSDP2;
     on the table's own models (the small one leaves a 4-stage rank a few MB, within the measurement's noise, and has
     too few layers for 4 ranks of two stages)."""
-    folders = memory_matrix.write_llamas(tmp_path / "llamas") if cell_id.startswith(("lora", "hf")) else None
+    folders = memory_matrix.write_llamas(tmp_path / "llamas") if cell_id.startswith(("lora", "hf", "bert")) else None
     got = ratios(tmp_path, cell_id, folders, small=False)
     assert all(0.9 <= x <= 1.1 for x in got), (cell_id, got)

@@ -253,6 +253,22 @@ def test_benchmark_cli_and_bare_loop_match_train_py(tmp_path):
     assert "| bare |" in (out / "benchmark.md").read_text()
 
 
+@pytest.mark.slow
+def test_gpu_memory_dry_run_end_to_end(tmp_path):
+    """scripts/bench/gpu_memory.py --dry-run on CPU: a Llama written from its config.json, estimated and trained per
+    cell (checkpointing mode x allocator setting), the table and its JSON."""
+    out = tmp_path / "gpu_memory"
+    cmd = [PYTHON, "scripts/bench/gpu_memory.py", "--dry-run", "--out", str(out), "--cells", "full-expandable,none-expandable"]
+    r = check(run(cmd, env=launch_env(tmp_path), timeout=600))
+    assert "DRY RUN" in r.stdout
+    cells = json.loads((out / "gpu_memory.json").read_text())["cells"]
+    assert [(c["checkpointing"], c["status"]) for c in cells] == [("full", "ok"), ("none", "ok")]
+    assert all(c["estimated_mb"] > 0 and c["allocated_mb"] > 0 for c in cells)
+    assert cells[0]["estimated_mb"] < cells[1]["estimated_mb"]  # full checkpointing keeps less than none
+    bad = run([PYTHON, "scripts/bench/gpu_memory.py", "--dry-run", "--cells", "nope"], env=launch_env(tmp_path), timeout=60)
+    assert bad.returncode == 2 and "--cells: unknown ['nope']" in bad.output
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_gpu_bench_dry_run_end_to_end(tmp_path):

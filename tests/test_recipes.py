@@ -156,6 +156,30 @@ def test_nlp_example_export_scores_the_validation_file_as_the_run_reported(made,
     assert accuracy == pytest.approx(summary(out)["final_val_metrics"]["val_accuracy"], abs=1e-9)
 
 
+def test_the_memory_estimator_reads_each_recipes_dict_batches(made):
+    """scripts/estimate_memory.py on a task's dict batches, read as a run reads them (tasks/registry.py): each recipe's
+    model (a BERT classifier, tagger and masked LM, a T5) and data estimated, the classifier's head sized by its data's
+    labels, so the parameter count is the run's own model's."""
+    from parallel_train.config.load import load_config
+    from parallel_train.models.hf import HFModel
+    from parallel_train.parallel.memory_estimate import estimate_config
+    from parallel_train.tasks.registry import load_task_data, task_of
+
+    for config, model, data in (
+        ("nlp_example", "bert", "mrpc"),
+        ("ner_example", "bert", "conll"),
+        ("mlm_example", "bert", "wikitext"),
+        ("seq2seq", "t5", "wmt"),
+    ):
+        cfg, _ = load_config(list(tiny(config, made[model], made[data], 8, 1e-3)))
+        _, ranks, total = estimate_config(cfg, 1)
+        assert ranks[0].param_numel == total and ranks[0].activations > 0, config
+        if config == "ner_example":  # the tagger's head has one output per tag its data names (not transformers' default 2)
+            data = load_task_data(cfg, task_of(cfg), None)
+            model = HFModel(cfg.model, data.vocab_size, label_names=data.label_names)
+            assert len(data.label_names) > 2 and total == sum(p.numel() for p in model.parameters())
+
+
 def test_the_nlp_example_port_is_a_config_of_at_most_60_lines():
     """Issue 27's bar: accelerate's nlp_example ported as a config alone (no code, no core file changed): at most 60
     lines that are not comments; it runs (the tests above)."""

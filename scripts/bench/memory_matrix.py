@@ -42,6 +42,12 @@ LLAMA = dict(hidden_size=384, intermediate_size=1024, num_attention_heads=6, num
 TINY_LLAMA = dict(hidden_size=24, intermediate_size=32, num_attention_heads=6, num_key_value_heads=2)
 HF = ("model.name=hf", "model.hf_path={big}", "model.block_size=256", "train.batch_size=8", "model.vocab_size=256")
 LORA = ("model.lora_rank=8", "model.lora_targets=[all-linear]")
+# A transformers head of another task on dict batches (input_ids, attention_mask, token_type_ids, labels): a BERT
+# sentence-pair classifier as configs/nlp_example.yaml trains it, every pair padded to the block.
+BERT = dict(hidden_size=384, intermediate_size=1024, num_attention_heads=6)
+TINY_BERT = dict(hidden_size=24, intermediate_size=32, num_attention_heads=6)
+CLASSIFIER = ("model.name=hf", "model.task=sequence-classification", "model.hf_path={bert}", "model.hf_pretrained=false")
+CLASSIFIER += ("model.block_size=256", "train.batch_size=8", "data.path={pairs}")
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,9 @@ def _cells() -> dict[str, Cell]:
     cells["lora-fsdp2"] = Cell(2, (*LORA, "parallel.dp_shard=2"), **hf)
     cells["lora-pp2-1f1b"] = Cell(2, (*LORA, *cells["pp2-1f1b"].keys), **hf)
     cells["hf-pp2xtp2-1f1b"] = Cell(4, cells["pp2xtp2-1f1b"].keys, **hf)
+    bert = {"model": CLASSIFIER, "tiny": ("model.hf_path={bert_tiny}",)}
+    cells["bert-cls-one"] = Cell(1, (), **bert)
+    cells["bert-cls-fsdp2"] = Cell(2, ("parallel.dp_shard=2",), **bert)
     return cells
 
 
@@ -88,9 +97,11 @@ CELLS = _cells()
 
 
 def write_llamas(root: Path) -> dict[str, str]:
-    """The Hugging Face cells' two Llama folders (save_pretrained, random weights): {"big": path, "tiny": path}."""
+    """The Hugging Face cells' folders: two Llamas (save_pretrained, random weights) {"big", "tiny"}, two BERT
+    classifiers (config and tokenizer: they start from random weights) {"bert", "bert_tiny"}, and the classifier's
+    sentence pairs {"pairs"}."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import BertConfig, LlamaConfig, LlamaForCausalLM
 
     folders = {}
     for name, shape in (("big", LLAMA), ("tiny", TINY_LLAMA)):
@@ -98,7 +109,35 @@ def write_llamas(root: Path) -> dict[str, str]:
         torch.manual_seed(0)
         LlamaForCausalLM(config).save_pretrained(root / name)
         folders[name] = str(root / name)
+    words = [f"w{i}" for i in range(200)]
+    for name, shape in (("bert", BERT), ("bert_tiny", TINY_BERT)):
+        BertConfig(vocab_size=256, num_hidden_layers=8, max_position_embeddings=512, **shape).save_pretrained(root / name)
+        _bert_tokenizer(words).save(str(root / name / "tokenizer.json"))
+        special = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]", "mask_token": "[MASK]"}
+        (root / name / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "BertTokenizerFast", **special}))
+        folders[name] = str(root / name)
+    (root / "pairs").mkdir(exist_ok=True)
+    for split in ("train", "validation"):
+        rows = [
+            {"sentence1": " ".join(words[i % 50 : i % 50 + 8]), "sentence2": " ".join(words[i % 90 : i % 90 + 9]), "label": i % 2}
+            for i in range(64)
+        ]
+        (root / "pairs" / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    folders["pairs"] = str(root / "pairs")
     return folders
+
+
+def _bert_tokenizer(words: list[str]):
+    """A word-level tokenizer with BERT's special tokens and pair template ([CLS] a [SEP] b [SEP], type ids 0 then 1)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(specials + words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
+    return tok
 
 
 def arguments(cell: Cell, tiny: bool, folders: dict[str, str]) -> list[str]:
@@ -126,12 +165,10 @@ def measure(cell: Cell, tiny: bool, out: Path, folders: dict[str, str], launcher
 def estimated(cell: Cell, tiny: bool, folders: dict[str, str]) -> list[int]:
     """The estimator's total for every global rank (each rank's pipeline rank: its row)."""
     from parallel_train.config.load import load_config
-    from parallel_train.data.sources import load_data
-    from parallel_train.parallel.memory_estimate import estimate
+    from parallel_train.parallel.memory_estimate import estimate_config
 
     cfg, _ = load_config(arguments(cell, tiny, folders))
-    data = load_data(cfg)
-    layout, ranks = estimate(cfg, cell.nproc, data.vocab_size, data.train_set[0])
+    layout, ranks, _ = estimate_config(cfg, cell.nproc)
     return [ranks[layout.coordinate(r)["pp"]].total() for r in range(cell.nproc)]
 
 
@@ -149,7 +186,7 @@ def reestimate(log: Path, update: bool) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         lines = log.read_text().splitlines()
         ids = [line.split(" ", 1)[0] for line in lines if line.split(" ", 1)[0] in CELLS and line.split(" ", 1)[-1].startswith("[")]
-        folders = write_llamas(Path(tmp)) if any(CELLS[n].model == HF for n in ids) else {}
+        folders = write_llamas(Path(tmp)) if any(CELLS[n].model != GPT for n in ids) else {}
         for line in lines:
             name, _, rest = line.partition(" ")
             if name in CELLS and rest.startswith("["):
@@ -187,7 +224,7 @@ def main() -> None:
         sys.exit(f"error: unknown cells {unknown}; known: {', '.join(CELLS)}")
     results, loads = {}, []
     with tempfile.TemporaryDirectory() as tmp:
-        folders = write_llamas(Path(tmp)) if any(CELLS[n].model == HF for n in names) else {}
+        folders = write_llamas(Path(tmp)) if any(CELLS[n].model != GPT for n in names) else {}
         for i, name in enumerate(names):
             loads.append(load())
             results[name] = run_cell(CELLS[name], Path(tmp) / str(i), folders)

@@ -82,6 +82,24 @@ def concat(batches: list[Batch]) -> Batch:
     return tuple(torch.cat(ts) for ts in zip(*batches, strict=True))
 
 
+def repeat(sample: Batch, n: int) -> Batch:
+    """A batch of `n` copies of one unbatched sample (the memory estimator's micro-batch: only shapes matter)."""
+    if isinstance(sample, Mapping):
+        return {k: torch.stack([v] * n) for k, v in sample.items()}
+    return tuple(torch.stack([t] * n) for t in sample)
+
+
+def widest_sample(dataset) -> Batch:
+    """One sample, unbatched, at the widest shape a batch of `dataset` takes: the longest of padded samples (a batch is
+    padded to its longest, data/packing.py), else the first. Datasets that only batch themselves (`__getitems__`) are
+    asked for a batch of one."""
+    i = dataset.longest() if hasattr(dataset, "longest") else 0
+    if hasattr(dataset, "__getitems__"):
+        one = dataset.__getitems__([i])
+        return {k: v[0] for k, v in one.items()} if isinstance(one, Mapping) else tuple(t[0] for t in one)
+    return dataset[i]
+
+
 def named_inputs(forward: Callable) -> tuple[str, ...]:
     """The keyword inputs `forward` names, after its first (the main input): what a model promises to take in
     every pipeline stage, as it takes a packed batch's positions (a part it does not hold is None there)."""

@@ -77,6 +77,10 @@ class PaddedSamples(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
+    def longest(self) -> int:
+        """The index of the longest sample: the widest batch's width (the memory estimate's worst case)."""
+        return int(np.argmax(self.samples.lengths))
+
     def width(self, longest: int) -> int:
         return self.block_size if self.fixed else min(self.block_size, -(-longest // ALIGN) * ALIGN)
 

@@ -297,6 +297,12 @@ class HFModel(nn.Module):
         sequence = self.layout is not None and hf_tensor_parallel.sequence_parallel_fits(self.hf, self.tp_plan)
         return hf_tensor_parallel.tensor_parallel_plan(self, self.tp_plan, self.hf.config, tp, what, sequence)
 
+    @property
+    def splits_into_stages(self) -> bool:
+        """Whether pipeline_units can cut this model (a causal LM of a known layout); the memory estimator counts
+        the others by their FSDP units (parallel/parts.py counted_units)."""
+        return self.task == DEFAULT and self.layout is not None
+
     def pipeline_units(self) -> dict[str, nn.Module]:
         """The parts the pipeline splitter cuts between, in forward order (parallel/pipeline/split.py)."""
         what = f"model.hf_path {self.hf_path!r} ({self.hf.config.model_type})"

@@ -26,8 +26,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from parallel_train.losses import loss_fn
-from parallel_train.parallel.parts import fsdp_units, model_units
+from parallel_train.losses import logits_of, loss_fn
+from parallel_train.parallel.parts import counted_units, fsdp_units
 
 
 @dataclass
@@ -77,7 +77,7 @@ def block_names(model: nn.Module) -> set[str]:
     """The parts that are blocks (FSDP2's units: what activation checkpointing wraps). Read before `fully_shard`,
     which renames their classes."""
     blocks = {id(m) for m in fsdp_units(model)}
-    return {name for name, m in model_units(model).items() if id(m) in blocks}
+    return {name for name, m in counted_units(model).items() if id(m) in blocks}
 
 
 def kept_per_part(
@@ -86,7 +86,7 @@ def kept_per_part(
     """What one training forward (`forward(x)`: the model, or its pipeline stages in turn) and the loss keep alive, by
     part of `model`. Run on fake tensors. `keep_output`: the model's output (the logits) is held until backward whether
     or not the loss saved it, as torch's PipelineStage holds its last stage's output per micro-batch (its fwd_cache)."""
-    units = model_units(model)
+    units = counted_units(model)
     current, inputs = ["loss"], {}
 
     def enter(name):
@@ -103,7 +103,7 @@ def kept_per_part(
         with loss_context, amp, created:
             out = forward(x)
             current[0] = "loss"
-            loss = loss_fn(out, y)
+            loss = loss_fn(logits_of(out), y)
             if not keep_output:
                 del out  # a run keeps the logits only where the loss saved them
     finally:

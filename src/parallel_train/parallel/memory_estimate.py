@@ -37,10 +37,12 @@ import torch
 from torch import nn
 
 from parallel_train.config.sections import Config
-from parallel_train.models import build_model
+from parallel_train.data.batch import Batch, repeat
+from parallel_train.data.batch import parts as batch_parts
+from parallel_train.models import MODELS
 from parallel_train.parallel.activation_memory import PartBytes, block_names, kept_per_part
 from parallel_train.parallel.mesh import MeshLayout, build_device_mesh, resolve_layout
-from parallel_train.parallel.parts import fsdp_units, model_units
+from parallel_train.parallel.parts import counted_units, fsdp_units
 from parallel_train.parallel.pipeline.in_flight import in_flight_bytes
 from parallel_train.parallel.pipeline.placement import stages_of_rank, stages_per_rank
 from parallel_train.parallel.pipeline.split import plan_stages, stage_module
@@ -110,7 +112,7 @@ def fake_world(world: int):
 def _stage_plan(cfg: Config, model: nn.Module, layout: MeshLayout) -> list[list[str]]:
     p = cfg.parallel
     if layout.pp == 1:
-        return [list(model_units(model))]
+        return [list(counted_units(model))]
     # split=time needs a measurement on a real device: the estimate cuts by parameter count (auto) instead.
     spec = "auto" if p.split.strip() == "time" else p.split
     return plan_stages(model, layout.pp * stages_per_rank(p.schedule, p.stages_per_rank), spec)
@@ -141,22 +143,23 @@ def _fsdp(cfg: Config, layout: MeshLayout) -> bool:
     return _mesh_or_pipeline(layout) and fsdp_wraps(layout, cfg.train.mixed_precision in DTYPES)
 
 
-def build_shapes(model_cfg, vocab_size: int):
+def build_shapes(model_cfg, vocab_size: int, labels: list[str] | None = None):
     """The model's shapes (built under a meta device by the caller). Memory does not depend on the weights' values: a
     model from elsewhere is built from its config.json alone, no weight file looked for, so a layout is estimated
     before its weights are downloaded."""
     if hasattr(model_cfg, "hf_pretrained"):
         model_cfg = dataclasses.replace(model_cfg, hf_pretrained=False)
-    return build_model(model_cfg, vocab_size)
+    # `labels`: a task's class names (Data.label_names), its head's size, as the trainer hands them (model_init.start_model)
+    return MODELS[model_cfg.name](model_cfg, vocab_size, **({"label_names": labels} if labels else {}))
 
 
-def _held(cfg: Config, layout: MeshLayout, vocab_size: int, mesh) -> tuple[list[list[str]], list[tuple]]:
+def _held(cfg: Config, layout: MeshLayout, vocab_size: int, mesh, labels=None) -> tuple[list[list[str]], list[tuple]]:
     """The stages (their parts' names) and per pipeline rank: (its stages, parameter elements it holds, those of them
     that train (LoRA: the adapters only), elements FSDP2 gathers whole at once, gradient bytes per part): two blocks
     (one computing, one prefetched) and the root's own parameters (embeddings, final norm, head), which its group
     gathers for the forward and again from the start of backward to its end)."""
     with torch.device("meta"):
-        model = build_shapes(cfg.model, vocab_size)
+        model = build_shapes(cfg.model, vocab_size, labels)
     plan = _stage_plan(cfg, model, layout)
     V = len(plan) // layout.pp
     out = []
@@ -174,12 +177,13 @@ def _held(cfg: Config, layout: MeshLayout, vocab_size: int, mesh) -> tuple[list[
         copies = layout.dp_shard > 1 or (_fsdp(cfg, layout) and _precision(cfg, layout)[0] is not None)
         gathered = (2 * max(blocks, default=0) + held - sum(blocks)) * layout.dp_shard if copies else 0
         # a part's gradient bytes, for one step without accumulation (a pipeline's gradients all stand: not needed)
-        part_grads = {name: 4 * local_numel(m, trainable=True) for name, m in model_units(model).items()} if layout.pp == 1 else {}
+        units_by_name = counted_units(model).items() if layout.pp == 1 else ()  # the root (a task's head) has its blocks' too: left out
+        part_grads = {name: 4 * local_numel(m, trainable=True) for name, m in units_by_name if m is not model}
         out.append((ids, held, sum(local_numel(v, trainable=True) for v in views), gathered, part_grads))
     return plan, out
 
 
-def _activations(cfg: Config, layout: MeshLayout, vocab_size: int, mesh, sample, model_cfg) -> PartBytes:
+def _activations(cfg: Config, layout: MeshLayout, vocab_size: int, mesh, sample, model_cfg, labels=None) -> PartBytes:
     """Activation bytes per part of the model for one micro-batch on rank 0's slice of the mesh, with `model_cfg`'s
     activation checkpointing, under the engine's precision (FSDP2's policy or autocast), cut as the engine cuts it:
     the whole model by the mesh engine, or stage by stage by the pipeline engine, each stage with the whole model's
@@ -191,7 +195,7 @@ def _activations(cfg: Config, layout: MeshLayout, vocab_size: int, mesh, sample,
     p = cfg.parallel
     micro = max(1, cfg.train.batch_size // (p.microbatches if layout.pp > 1 else 1))
     with torch.device("meta"):
-        model = build_shapes(model_cfg, vocab_size)
+        model = build_shapes(model_cfg, vocab_size, labels)
     policy, autocast = _precision(cfg, layout)
     blocks = block_names(model)
     cut = MeshLayout(dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp)
@@ -202,14 +206,17 @@ def _activations(cfg: Config, layout: MeshLayout, vocab_size: int, mesh, sample,
         for view in views:
             parallelize(view, mesh, cut, mp_policy=policy, shard_data_parallel=_fsdp(cfg, layout), loss_parallel=logits_cut)
 
+    # The batch's other inputs (a packed batch's positions, a dict batch's attention_mask, ...) go to every stage, as
+    # the engines hand them (data/batch.py)
+    x, y, rest = batch_parts(repeat(sample, micro))
+
     def forward(x: torch.Tensor) -> torch.Tensor:
         for view in views:  # a pipeline's stages one after the other, as the micro-batch goes through them
-            x = view(x)
+            x = view(x, **rest)
         return x
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
-        x, y = (torch.stack([t] * micro) for t in sample)
         # a pipeline's last stage holds each in-flight micro-batch's output (the logits) until its backward
         return kept_per_part(model.train(), forward, x, y, autocast, loss_context(logits_cut), blocks, keep_output=layout.pp > 1)
 
@@ -270,18 +277,21 @@ def _receive_buffers(cfg: Config, layout: MeshLayout, ids: list[int], plan, plai
     return cfg.parallel.microbatches * sum(received(i) + received(i + 1) for i in ids)
 
 
-def estimate(cfg: Config, world: int, vocab_size: int, sample: tuple[torch.Tensor, torch.Tensor]) -> tuple[MeshLayout, list[RankMemory]]:
+def estimate(
+    cfg: Config, world: int, vocab_size: int, sample: Batch, labels: list[str] | None = None
+) -> tuple[MeshLayout, list[RankMemory]]:
     """Memory of each pipeline rank (its data-parallel and tensor-parallel peers hold the same, up to the
-    rounding of uneven slices: rank 0's slice is the largest)."""
+    rounding of uneven slices: rank 0's slice is the largest). `sample`: one unbatched sample as the data gives it, a
+    tuple or a dict of named tensors, at its widest (data/batch.py widest_sample); `labels`: a task's class names."""
     layout = resolve_layout(cfg, world, env={})
     with fake_world(world):
         mesh = build_device_mesh(layout, "cpu")
-        plan, held = _held(cfg, layout, vocab_size, mesh)
+        plan, held = _held(cfg, layout, vocab_size, mesh, labels)
         own = getattr(cfg.model, "activation_checkpointing", "none")
         measured: dict[str, PartBytes] = {}  # checkpointing mode -> what its forward keeps: the run's, none and full
         for mode in dict.fromkeys((own, "none", "full")):
             if (mode_cfg := _with_checkpointing(cfg.model, mode)) is not None:
-                measured[mode] = _activations(cfg, layout, vocab_size, mesh, sample, mode_cfg)
+                measured[mode] = _activations(cfg, layout, vocab_size, mesh, sample, mode_cfg, labels)
     run, plain = measured[own], measured["none"]
     policy, _ = _precision(cfg, layout)
     param_bytes = 2 if policy is not None else 4  # FSDP2 gathers (and computes with) bf16/fp16 copies under its policy
@@ -317,6 +327,22 @@ def estimate(cfg: Config, world: int, vocab_size: int, sample: tuple[torch.Tenso
             )
         )
     return layout, ranks
+
+
+def estimate_config(cfg: Config, world: int) -> tuple[MeshLayout, list[RankMemory], int]:
+    """`estimate` for a config, its data read as a run reads it (tasks/registry.py: a task's own columns, or the
+    template's tuples): the vocabulary size, a task's class names (its head's size) and the widest sample, a tuple
+    or a dict of named tensors. Also the model's whole parameter count."""
+    from parallel_train.data.batch import widest_sample
+    from parallel_train.tasks.registry import load_task_data, task_of
+
+    task = task_of(cfg)
+    data = load_task_data(cfg, task, None)
+    labels = data.label_names if task.has_labels else None
+    with torch.device("meta"):
+        total = sum(q.numel() for q in build_shapes(cfg.model, data.vocab_size, labels).parameters())
+    layout, ranks = estimate(cfg, world, data.vocab_size, widest_sample(data.train_set), labels)
+    return layout, ranks, total
 
 
 def as_json(layout: MeshLayout, ranks: list[RankMemory]) -> dict:

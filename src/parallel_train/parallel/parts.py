@@ -43,3 +43,13 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
     if classes:
         return [m for m in model.modules() if m is not model and type(m).__name__ in classes]
     return [block for child in model.children() if isinstance(child, CONTAINERS) for block in child.children()]
+
+
+def counted_units(model: nn.Module) -> dict[str, nn.Module]:
+    """The parts the memory estimator counts a model's activations and gradients by, in forward order: the pipeline's
+    units (`model_units`), or, for a model no pipeline splits (a transformers head of another task: its
+    `splits_into_stages` is False), the model itself for what runs outside its blocks, then its FSDP units by name."""
+    if getattr(model, "splits_into_stages", True):
+        return model_units(model)
+    names = {id(m): name for name, m in model.named_modules()}
+    return {"model": model, **{names[id(m)]: m for m in fsdp_units(model)}}
