@@ -44,7 +44,9 @@ def write_config(folder: Path, shape: tuple) -> None:
 
     hidden, intermediate, layers, heads, kv, vocab, tokens, _ = shape
     shapes = dict(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=heads)
-    LlamaConfig(**shapes, num_key_value_heads=kv, vocab_size=vocab, max_position_embeddings=tokens, rope_theta=500000.0).save_pretrained(folder)
+    LlamaConfig(**shapes, num_key_value_heads=kv, vocab_size=vocab, max_position_embeddings=tokens, rope_theta=500000.0).save_pretrained(
+        folder
+    )
 
 
 def keys(folder: Path, shape: tuple, mode: str, steps: int) -> list[str]:
