@@ -27,6 +27,8 @@ from pathlib import Path
 
 from common import BARE_RUN, REPO
 
+from parallel_train.checkpoint.json_text import json_text
+
 MIB = 2**20
 # hidden, intermediate, layers, heads, kv heads, vocabulary, tokens per sample, samples per step
 SHAPES = {"gpu": (4096, 14336, 8, 32, 8, 128256, 8192, 2), "dry": (64, 128, 2, 4, 2, 512, 64, 2)}
@@ -140,7 +142,7 @@ def main() -> int:
     cells = []
     for name in names:
         cells.append(run_cell(name, out / "llama", shape, 2 if a.dry_run else a.steps, out))
-        print(json.dumps(cells[-1]), flush=True)
+        print(json_text(cells[-1]), flush=True)
     device = (
         "DRY RUN on CPU (allocated is host RSS, reserved absent: the figures mean nothing)" if a.dry_run else torch.cuda.get_device_name()
     )
@@ -151,7 +153,7 @@ def main() -> int:
     )
     text = table(cells, what)
     (out / "gpu_memory.md").write_text(text)
-    (out / "gpu_memory.json").write_text(json.dumps({"dry_run": a.dry_run, "shape": shape, "cells": cells}, indent=1))
+    (out / "gpu_memory.json").write_text(json_text({"dry_run": a.dry_run, "shape": shape, "cells": cells}, indent=1))
     print("\n" + text + f"\nwrote {out / 'gpu_memory.md'} and {out / 'gpu_memory.json'}")
     return 0 if all(c["status"] == "ok" for c in cells) else 1
 

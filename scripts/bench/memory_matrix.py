@@ -101,7 +101,8 @@ def write_llamas(root: Path) -> dict[str, str]:
     classifiers (config and tokenizer: they start from random weights) {"bert", "bert_tiny"}, and the classifier's
     sentence pairs {"pairs"}."""
     import torch
-    from transformers import BertConfig, LlamaConfig, LlamaForCausalLM
+    from datasets import Dataset
+    from transformers import BertConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     folders = {}
     for name, shape in (("big", LLAMA), ("tiny", TINY_LLAMA)):
@@ -110,19 +111,19 @@ def write_llamas(root: Path) -> dict[str, str]:
         LlamaForCausalLM(config).save_pretrained(root / name)
         folders[name] = str(root / name)
     words = [f"w{i}" for i in range(200)]
+    special = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]", "mask_token": "[MASK]"}
     for name, shape in (("bert", BERT), ("bert_tiny", TINY_BERT)):
         BertConfig(vocab_size=256, num_hidden_layers=8, max_position_embeddings=512, **shape).save_pretrained(root / name)
-        _bert_tokenizer(words).save(str(root / name / "tokenizer.json"))
-        special = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]", "mask_token": "[MASK]"}
-        (root / name / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "BertTokenizerFast", **special}))
+        PreTrainedTokenizerFast(tokenizer_object=_bert_tokenizer(words), **special).save_pretrained(root / name)
         folders[name] = str(root / name)
-    (root / "pairs").mkdir(exist_ok=True)
-    for split in ("train", "validation"):
-        rows = [
+    pairs = Dataset.from_list(
+        [
             {"sentence1": " ".join(words[i % 50 : i % 50 + 8]), "sentence2": " ".join(words[i % 90 : i % 90 + 9]), "label": i % 2}
             for i in range(64)
         ]
-        (root / "pairs" / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    )
+    for split in ("train", "validation"):
+        pairs.to_json(str(root / "pairs" / f"{split}.jsonl"))  # JSON lines
     folders["pairs"] = str(root / "pairs")
     return folders
 
