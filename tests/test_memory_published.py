@@ -246,6 +246,19 @@ def test_a_hub_decoder_keeps_no_attention_mask_unless_its_batch_is_packed(tmp_pa
         assert packed.for_layer(0, cpu)["attention_mask"].shape == (2, 1, 64, 64)
 
 
+def test_a_pipeline_stage_counts_what_it_makes_before_its_first_layer(tmp_path):
+    """A decoder stage makes its layers' masks and rotary tables before its first layer runs: they are that stage's
+    (a packed batch's (B, 1, T, T) mask in every stage), not the previous stage's last layer's."""
+    keys = ["model.name=hf", f"model.hf_path={llama_folder(tmp_path, 'tiny')}", "model.hf_pretrained=false", "data.path=synthetic"]
+    keys += ["model.block_size=64", "train.batch_size=4", "parallel.pipeline_stages=2", "parallel.microbatches=2"]
+    cfg, _ = load_config([*keys, "model.activation_checkpointing=full"])
+    ids = torch.ones(64, dtype=torch.long)
+    first, second = (r.breakdown for r in estimate(cfg, 2, 128256, (ids, ids, torch.arange(64) % 32))[1])  # 2 documents a row
+    output = 2 * 64 * 512 * 4  # a layer's output, micro-batch 2 x 64 x 512 fp32: what the next layer keeps
+    assert first["model.layers.0"] == output  # stage 0's last layer
+    assert second["model.layers.1"] >= output + 2 * 64 * 64  # stage 1's first: with its stage's mask
+
+
 def estimate_hf(keys: list[str]):
     cfg, _ = load_config(keys)
     data = load_data(cfg)

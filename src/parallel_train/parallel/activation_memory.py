@@ -81,11 +81,21 @@ def block_names(model: nn.Module) -> set[str]:
 
 
 def kept_per_part(
-    model: nn.Module, forward, x: torch.Tensor, y: torch.Tensor, autocast_dtype, loss_context, blocks: set[str], keep_output: bool = False
+    model: nn.Module,
+    forward,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    autocast_dtype,
+    loss_context,
+    blocks: set[str],
+    keep_output: bool = False,
+    stages: tuple[tuple[nn.Module, str], ...] = (),
 ) -> PartBytes:
     """What one training forward (`forward(x)`: the model, or its pipeline stages in turn) and the loss keep alive, by
     part of `model`. Run on fake tensors. `keep_output`: the model's output (the logits) is held until backward whether
-    or not the loss saved it, as torch's PipelineStage holds its last stage's output per micro-batch (its fwd_cache)."""
+    or not the loss saved it, as torch's PipelineStage holds its last stage's output per micro-batch (its fwd_cache).
+    `stages`: (a pipeline stage's view, its first part): what a stage makes before its first part runs (a decoder's
+    masks and rotary tables for its layers) is that part's, not the previous stage's."""
     units = counted_units(model)
     current, inputs = ["loss"], {}
 
@@ -96,7 +106,7 @@ def kept_per_part(
 
         return hook
 
-    handles = [module.register_forward_pre_hook(enter(name)) for name, module in units.items()]
+    handles = [module.register_forward_pre_hook(enter(name)) for name, module in (*units.items(), *((n, m) for m, n in stages))]
     amp = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
     created = _Created(current)
     try:

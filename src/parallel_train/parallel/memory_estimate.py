@@ -199,7 +199,8 @@ def _activations(cfg: Config, layout: MeshLayout, vocab_size: int, mesh, sample,
     policy, autocast = _precision(cfg, layout)
     blocks = block_names(model)
     cut = MeshLayout(dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp)
-    views = [stage_module(model, names) for names in _stage_plan(cfg, model, layout)] if layout.pp > 1 else [model]
+    plan = _stage_plan(cfg, model, layout)
+    views = [stage_module(model, names) for names in plan] if layout.pp > 1 else [model]
     # The engines' decision, on the whole model (parallel/mesh_engine.py, pipeline/distributed.py)
     logits_cut = tensor_parallel_cuts(model, layout.tp)[1]
     if layout.sharded or _fsdp(cfg, layout):
@@ -217,8 +218,12 @@ def _activations(cfg: Config, layout: MeshLayout, vocab_size: int, mesh, sample,
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
-        # a pipeline's last stage holds each in-flight micro-batch's output (the logits) until its backward
-        return kept_per_part(model.train(), forward, x, y, autocast, loss_context(logits_cut), blocks, keep_output=layout.pp > 1)
+        # a pipeline's last stage holds each in-flight micro-batch's output (the logits) until its backward; what a
+        # stage makes before its first part runs is that stage's
+        stages = tuple((view, names[0]) for view, names in zip(views, plan, strict=True)) if layout.pp > 1 else ()
+        return kept_per_part(
+            model.train(), forward, x, y, autocast, loss_context(logits_cut), blocks, keep_output=layout.pp > 1, stages=stages
+        )
 
 
 def _with_checkpointing(model_cfg, mode: str):
