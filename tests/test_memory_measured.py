@@ -74,6 +74,6 @@ def test_more_layouts_are_within_ten_percent(tmp_path, cell_id):
     parallel and of pipeline stages (FSDP2's policy over one data-parallel rank), a BERT classifier on dict batches under FSDP2;
     on the table's own models (the small one leaves a 4-stage rank a few MB, within the measurement's noise, and has
     too few layers for 4 ranks of two stages)."""
-    folders = memory_matrix.write_llamas(tmp_path / "llamas") if cell_id.startswith(("lora", "hf", "bert")) else None
+    folders = memory_matrix.write_folders(tmp_path / "models", [cell_id])
     got = ratios(tmp_path, cell_id, folders, small=False)
     assert all(0.9 <= x <= 1.1 for x in got), (cell_id, got)

@@ -96,7 +96,12 @@ def _cells() -> dict[str, Cell]:
 CELLS = _cells()
 
 
-def write_llamas(root: Path) -> dict[str, str]:
+def write_folders(root: Path, names) -> dict[str, str]:
+    """The folders the cells `names` read (the Hugging Face cells': see write_models), written only where one needs them."""
+    return write_models(root) if any(CELLS[n].model != GPT for n in names) else {}
+
+
+def write_models(root: Path) -> dict[str, str]:
     """The Hugging Face cells' folders: two Llamas (save_pretrained, random weights) {"big", "tiny"}, two BERT
     classifiers (config and tokenizer: they start from random weights) {"bert", "bert_tiny"}, and the classifier's
     sentence pairs {"pairs"}."""
@@ -187,7 +192,7 @@ def reestimate(log: Path, update: bool) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         lines = log.read_text().splitlines()
         ids = [line.split(" ", 1)[0] for line in lines if line.split(" ", 1)[0] in CELLS and line.split(" ", 1)[-1].startswith("[")]
-        folders = write_llamas(Path(tmp)) if any(CELLS[n].model != GPT for n in ids) else {}
+        folders = write_folders(Path(tmp), ids)
         for line in lines:
             name, _, rest = line.partition(" ")
             if name in CELLS and rest.startswith("["):
@@ -225,7 +230,7 @@ def main() -> None:
         sys.exit(f"error: unknown cells {unknown}; known: {', '.join(CELLS)}")
     results, loads = {}, []
     with tempfile.TemporaryDirectory() as tmp:
-        folders = write_llamas(Path(tmp)) if any(CELLS[n].model != GPT for n in names) else {}
+        folders = write_folders(Path(tmp), names)
         for i, name in enumerate(names):
             loads.append(load())
             results[name] = run_cell(CELLS[name], Path(tmp) / str(i), folders)
