@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -29,18 +30,34 @@ class Parser(argparse.ArgumentParser):
         raise UserError(f"{message} (see --help)")
 
 
+def processes(text: str) -> int:
+    """--world: a whole number of processes, at least 1 (argparse names the option)."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1 (the processes the run will launch)")
+    return int(text)
+
+
+def gib(text: str) -> float:
+    """--device-gib: a finite number of GiB above 0 (argparse names the option)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB above 0 (e.g. 80)")
+    return value
+
+
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     from parallel_train.parallel.memory_estimate import DEVICE_GIB
 
     p = Parser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--world", type=int, required=True, help="processes the run will launch (GPUs)")
+    p.add_argument("--world", type=processes, required=True, help="processes the run will launch (GPUs)")
     p.add_argument("--device", default="h100", help=f"device to fit: {', '.join(DEVICE_GIB)}")
-    p.add_argument("--device-gib", type=float, default=0.0, help="memory of the device in GiB (instead of --device)")
+    p.add_argument("--device-gib", type=gib, help="memory of the device in GiB (instead of --device)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     args, rest = p.parse_known_args(argv)
-    if args.world < 1:
-        raise UserError(f"--world: must be >= 1, got {args.world}")
-    if not args.device_gib and args.device not in DEVICE_GIB:
+    if args.device_gib is None and args.device not in DEVICE_GIB:
         raise UserError(f"--device {args.device}: unknown; known: {', '.join(DEVICE_GIB)} (or give --device-gib N)")
     return args, rest
 

@@ -19,6 +19,8 @@ files (its chat template too), so that `AutoModelForCausalLM.from_pretrained(OUT
 load it (the model's config.json comes from model.hf_path). A LoRA run's (model.lora_rank) holds the base model with
 the adapters merged in, and OUT-adapter beside it the adapters alone, for `peft.PeftModel.from_pretrained`. A run
 writes output_dir/hf/ (and output_dir/adapter/) itself at the end.
+--max-shard-size applies to --format safetensors only, --dtype to --format hf only: given with the other format,
+each is refused in one line (it would change nothing).
 
 OUT is never a run folder, a checkpoint, or a folder holding anything an earlier export did not write: such an OUT
 is refused in one line naming it and what is there, before anything is written (src/parallel_train/run/export_dir.py).
@@ -66,9 +68,23 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="the folder to write, new or empty or an earlier export (default: RUN/hf for --format hf of a run, else RUN/exports/step_NNNNNNN-FORMAT)",
     )
     p.add_argument("--format", choices=("safetensors", "hf"), default="safetensors", help="what to write (default: safetensors)")
-    p.add_argument("--max-shard-size", default=None, help="safetensors: files of at most this size, e.g. 5GB (default: one file)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), help="hf: dtype of the exported weights (default: the run's model.dtype)")
+    p.add_argument(
+        "--max-shard-size", default=None, help="--format safetensors only: files of at most this size, e.g. 5GB (default: one file)"
+    )
+    p.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), help="--format hf only: dtype of the exported weights (default: the run's model.dtype)"
+    )
     args = p.parse_args(argv)
+    if args.max_shard_size is not None and args.format != "safetensors":
+        raise UserError(
+            f"--max-shard-size: applies to --format safetensors only (--format {args.format} is written by save_pretrained, in "
+            "files of its own size); drop it, or export --format safetensors"
+        )
+    if args.dtype is not None and args.format != "hf":
+        raise UserError(
+            f"--dtype: applies to --format hf only (--format {args.format} keeps each tensor's dtype as the checkpoint holds it); "
+            "drop it, or export --format hf"
+        )
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise UserError(f"{args.out}: is a file; give a folder")
     return args

@@ -65,6 +65,11 @@ def load_trained(run: Path | None, ckpt: Path | None = None, device: str = "cpu"
         cfg = config_from_dict(yaml.safe_load(cfg_path.read_text()) or {})
     except UserError as e:
         raise UserError(f"{cfg_path}: {e}") from None
+    if cfg.model.task != "causal-lm":  # a classifier, a tagger, a masked LM or a seq2seq model predicts no next token
+        raise UserError(
+            f"{cfg_path}: this run trained model.task={cfg.model.task}: scripts/sample.py generates text from model.task=causal-lm "
+            "runs only (it continues a prompt token by token); load this run's hf/ folder with transformers instead"
+        )
     if cfg.data.path in ("random", "synthetic"):
         raise UserError(f"{cfg_path}: this run trained on data.path={cfg.data.path}, which has no text to sample")
     vocab = next((t for t in (load_saved(f) for f in (folder, run) if f is not None) if t is not None), None)
