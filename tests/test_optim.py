@@ -11,7 +11,9 @@ import transformers
 from transformers.optimization import get_linear_schedule_with_warmup, get_wsd_schedule
 
 from hf_tiny import gpt2_config, llama_config
+from parallel_train.config.load import load_config
 from parallel_train.config.sections import TrainConfig
+from parallel_train.errors import UserError
 from parallel_train.models import build_model
 from parallel_train.models.gpt import GPTConfig
 from parallel_train.optim import build_optimizer, build_scheduler, lr_at
@@ -48,6 +50,18 @@ def test_linear_and_wsd_equal_transformers_schedules_after_the_warm_up():
             theirs = get_wsd_schedule(optimizer, 2, num_decay_steps=3, num_training_steps=12, decay_type="linear", min_lr_ratio=0.1)
         for step in range(2, 16):
             assert theirs.lr_lambdas[0](step) == pytest.approx(lr_at(step, cfg), abs=1e-12), (kind, step)
+
+
+def test_wsd_whose_warm_up_outlasts_the_decay_is_refused():
+    """Issue 34: wsd with train.warmup_steps past train.lr_decay_steps climbed, then fell straight to min_lr at the
+    end of the warm-up, never reaching train.learning_rate (no stable phase, no decay): refused in one line."""
+    cfg = TrainConfig(lr_schedule="wsd", **{**SHAPE, "warmup_steps": 14})
+    assert max(lr_at(step, cfg) for step in range(30)) < cfg.learning_rate and lr_at(14, cfg) == cfg.min_lr
+    for warmup in (12, 14):
+        with pytest.raises(UserError, match=rf"^train.warmup_steps={warmup}: .*before train.lr_decay_steps=12") as e:
+            load_config(["train.lr_schedule=wsd", f"train.warmup_steps={warmup}", "train.lr_decay_steps=12"])
+        assert "\n" not in str(e.value)
+    load_config(["train.lr_schedule=wsd", "train.warmup_steps=11", "train.lr_decay_steps=12"])
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear", "wsd"])

@@ -227,6 +227,12 @@ def validate(cfg: Config) -> None:
         )
         check(p.tp == 1, f"data.packing with parallel.tp={p.tp}: not supported here; use parallel.dp_shard, or data.packing=false")
     check(t.min_lr <= t.learning_rate, f"train.min_lr ({t.min_lr}) must not exceed train.learning_rate ({t.learning_rate})")
+    check(  # else the warm-up runs into the floor: no stable phase, no decay, the peak never (or once) reached
+        t.lr_schedule != "wsd" or t.warmup_steps < t.lr_decay_steps,
+        f"train.warmup_steps={t.warmup_steps}: with train.lr_schedule=wsd the warm-up must end before train.lr_decay_steps="
+        f"{t.lr_decay_steps} (where the decay ends), or the rate drops from the warm-up straight to train.min_lr without its "
+        "stable phase at train.learning_rate and its decay; lower train.warmup_steps or raise train.lr_decay_steps",
+    )
     check(
         not p.stage_devices or len(p.stage_devices) == p.pipeline_stages,
         f"parallel.stage_devices: {len(p.stage_devices)} devices given for {p.pipeline_stages} pipeline stages; give one per stage",
