@@ -259,9 +259,10 @@ def test_a_resumed_run_whose_data_has_other_classes_is_refused(tmp_path, tok):
 BAD = [
     (
         "sequence-classification",
-        [{"sentence": "a", "label": "x"}] * 9 + [{"sentence": "b", "label": "z"}],
+        [{"sentence": "a", "label": "x"}, {"sentence": "c", "label": "y"}] * 4
+        + [{"sentence": "a", "label": "x"}, {"sentence": "b", "label": "z"}],
         {},
-        r"data.path: .*rows.jsonl: row 10 has the label 'z', which no train row has \(train labels: x\); the model could never predict it",
+        r"data.path: .*rows.jsonl: row 10 has the label 'z', which no train row has \(train labels: x, y\); the model could never predict it",
     ),
     (
         "sequence-classification",
@@ -295,7 +296,7 @@ BAD = [
     ),
     (
         "sequence-classification",
-        [{"text": "a", "label": 1}] * 4,
+        [{"text": "a", "label": 1}, {"text": "b", "label": 2}] * 2,
         {"model__block_size": 1},
         r"model.block_size=1: the tokenizer cannot encode the rows",
     ),
@@ -304,6 +305,18 @@ BAD = [
         [{"tokens": ["a", "b"], "ner_tags": ["O"]}] * 4,
         {},
         r"data.path: .*rows.jsonl: row 1 has 2 words \('tokens'\) and 1 labels \('ner_tags'\); give one label per word",
+    ),
+    (  # issue 34: one class trained to loss 0 and accuracy 1
+        "sequence-classification",
+        [{"text": "a", "label": "pos"}] * 6,
+        {},
+        r"data.path: every train row has the label 'pos' in the column 'label': one class, nothing to learn; a classifier needs two or more",
+    ),
+    (
+        "token-classification",
+        [{"tokens": ["a", "b"], "ner_tags": ["O", "O"]}] * 6,
+        {},
+        r"data.path: every train word has the tag 'O' in the column 'ner_tags': one tag, nothing to learn; a tagger needs two or more",
     ),
     ("masked-lm", [{"text": "a"}] * 4, {"data__tokenizer": "{gpt2ish}"}, r"model.task=masked-lm: the tokenizer .* has no mask token"),
     (

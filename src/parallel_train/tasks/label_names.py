@@ -5,7 +5,7 @@ the labels are then ids already), else the distinct labels of the train rows, so
 10). Label id i is names[i]. Every rank reads the same files, so every rank has the same names; the run saves them
 (LABELS_FILE, in output_dir and every checkpoint: Data.files), and a resumed run whose data gives other names is
 refused (run/resume_config.py), since its ids would mean other classes. A validation label that never occurs in
-training is refused too: the model could never predict it.
+training is refused too: the model could never predict it; and so is training data of one class (or one tag).
 """
 
 from __future__ import annotations
@@ -72,7 +72,21 @@ def label_ids(rows: Rows, nested: bool) -> tuple[list[str], list[Any], list[Any]
                 raise UserError(unknown(rows, split, i, v, names, feature_names is not None))
             mapped.append(lookup[key])
         ids[split] = regroup(mapped, splits[split]) if nested else mapped
+        if split == "train":
+            check_classes(rows.label, names, mapped, nested)
     return names, ids["train"], ids["validation"]
+
+
+def check_classes(column: str, names: list[str], train_ids: list[int], nested: bool) -> None:
+    """Training that sees one class only learns to say it (loss 0, accuracy 1): one line naming the class and the
+    column, as an imagefolder of one class folder is (tasks/image_folder.py)."""
+    seen = set(train_ids)
+    if len(seen) == 1:
+        what, kind, one, model = ("word", "tag", "tag", "tagger") if nested else ("row", "label", "class", "classifier")
+        raise UserError(
+            f"data.path: every train {what} has the {kind} {names[seen.pop()]!r} in the column {column!r}: one {one}, nothing "
+            f"to learn; a {model} needs two or more (add rows of another {one}, or name the right column with data.label_column)"
+        )
 
 
 def unknown(rows: Rows, split: str, i: int, value: Any, names: list[str], from_feature: bool) -> str:
