@@ -139,7 +139,7 @@ def text_task_files(f: Path) -> None:
     hf_tiny.bert_tokenizer(vocab_size=hf_tiny.VOCAB).save(str(f / "bert" / "tokenizer.json"))
     (f / "no_start").mkdir()
     shutil.copy(f / "bert" / "tokenizer.json", f / "no_start" / "tokenizer.json")
-    (f / "no_start" / "config.json").write_text(json.dumps({"pad_token_id": 0}))
+    (f / "no_start" / "config.json").write_text(json.dumps({"model_type": "t5", "is_encoder_decoder": True, "pad_token_id": 0}))
     hf_tiny.train_tokenizer().backend_tokenizer.save(str(f / "bpe.json"))
     rows = lambda path, rows: path.write_text("".join(json.dumps(r) + "\n" for r in rows))  # noqa: E731
     rows(f / "scores.jsonl", [{"text": "hear me speak", "score": i % 2} for i in range(8)])
@@ -338,6 +338,11 @@ CASES += [
         "seq2seq_without_decoder_start",
         [*TEXT, "model.task=seq2seq", "model.hf_path={files}/no_start", "data.path={files}/pairs.jsonl"],
         "config.json has no decoder_start_token_id",
+    ),
+    (  # issue 34: it asked for a decoder_start_token_id, and failed another way once given one
+        "seq2seq_on_an_encoder",
+        [*TEXT, "model.task=seq2seq", "data.path={files}/pairs.jsonl"],
+        "is a bert, not an encoder-decoder",
     ),
 ]
 

@@ -206,6 +206,10 @@ def test_two_ranks_read_the_batch_one_rank_reads(tmp_path, tok):
     assert sorted(train_loader(data, cfg(n), 1, 0, 0, False).batch_sampler.indices_at(1)) == [n + i for i in range(n)]
 
 
+T5 = {"model_type": "t5", "is_encoder_decoder": True}  # what a T5's config.json says of its kind
+BERT = {"model_type": "bert", "architectures": ["BertForMaskedLM"]}
+
+
 def seq2seq_model(folder: Path, tok: Path, **config) -> Path:
     """A model folder for model.hf_path: the tokenizer and a config.json (no weights: the data reads its config only)."""
     folder.mkdir(exist_ok=True)
@@ -215,7 +219,7 @@ def seq2seq_model(folder: Path, tok: Path, **config) -> Path:
 
 
 def test_seq2seq_labels_and_decoder_inputs_from_each_layout(tmp_path, tok):
-    model = seq2seq_model(tmp_path / "t5", tok, decoder_start_token_id=PAD, pad_token_id=PAD)
+    model = seq2seq_model(tmp_path / "t5", tok, **T5, decoder_start_token_id=PAD, pad_token_id=PAD)
     pairs = [{"source": " ".join(WORDS[i:]), "target": " ".join(WORDS[: i + 1])} for i in range(10)]
     layouts = {
         "pairs.jsonl": ({}, pairs),
@@ -332,6 +336,16 @@ BAD = [
         r"model.hf_path: .*'s config.json has no decoder_start_token_id",
     ),
     ("seq2seq", [{"source": "a", "target": "b"}] * 4, {}, r"model.task=seq2seq: the decoder's first input .* model.name=gpt has none"),
+    *[  # issue 34: a BERT asked for a decoder_start_token_id, and failed another way once given one
+        (
+            "seq2seq",
+            [{"source": "a", "target": "b"}] * 4,
+            {"model__name": "hf", "model__hf_path": "{" + bert + "}"},
+            r"model.task=seq2seq: model.hf_path '.*' is a bert, not an encoder-decoder .*: seq2seq needs one, such as T5 or BART; "
+            r"a bert serves model.task=sequence-classification, token-classification or masked-lm$",
+        )
+        for bert in ("bert", "bert_with_start")
+    ],
     (
         "sequence-classification",
         "",
@@ -343,12 +357,15 @@ BAD = [
 
 @pytest.fixture(scope="module")
 def places(tmp_path_factory, tok) -> dict[str, Path]:
-    """What the bad cases name: a seq2seq model folder, one without decoder_start_token_id, a BPE without a mask token."""
+    """What the bad cases name: a seq2seq model folder, one without decoder_start_token_id, BERTs (encoders) with and
+    without one, a BPE without a mask token."""
     tmp = tmp_path_factory.mktemp("places")
     hf_tiny.train_tokenizer().backend_tokenizer.save(str(tmp / "bpe.json"))
     return {
-        "t5": seq2seq_model(tmp / "t5", tok, decoder_start_token_id=0),
-        "no_start": seq2seq_model(tmp / "no_start", tok),
+        "t5": seq2seq_model(tmp / "t5", tok, **T5, decoder_start_token_id=0),
+        "no_start": seq2seq_model(tmp / "no_start", tok, **T5),
+        "bert": seq2seq_model(tmp / "bert", tok, **BERT),
+        "bert_with_start": seq2seq_model(tmp / "bert_with_start", tok, **BERT, decoder_start_token_id=0),
         "gpt2ish": tmp / "bpe.json",
     }
 

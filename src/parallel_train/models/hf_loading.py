@@ -153,6 +153,28 @@ def check_task(config: Any, task: str, hf_path: str) -> None:
         )
 
 
+# Each task's transformers table of model_type -> class (the Auto class of tasks/task.py AUTO_CLASSES builds from it).
+MAPPINGS = {
+    "causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "sequence-classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+    "token-classification": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
+    "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "image-classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+}
+
+
+def tasks_served(config: dict[str, Any]) -> list[str]:
+    """The model.task values a model of this config.json (a dict) can train, by transformers' tables: a causal LM only
+    when its architectures hold one (a BERT's BertForMaskedLM is not one: check_causal_lm), as check_task decides."""
+    from transformers.models.auto import modeling_auto
+
+    kind, architectures = config.get("model_type"), config.get("architectures") or []
+    tasks = [task for task, table in MAPPINGS.items() if kind in getattr(modeling_auto, table)]
+    lm_classes = set(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    return [t for t in tasks if t != "causal-lm" or not architectures or any(a in lm_classes for a in architectures)]
+
+
 def set_labels(config: Any, label_names: list[str] | None) -> None:
     """The class names the data gives (Data.label_names): num_labels, id2label and label2id, as transformers' example
     scripts set them before building the model. A pretrained head of another size is then a new head."""

@@ -6,7 +6,7 @@ Rows: `source` and `target`; or `translation`, a dict of texts by language (WMT'
 encoded with the tokenizer's special tokens (T5's </s>), cut and padded to model.block_size. The labels are the
 target's ids, -100 on its padding; `decoder_input_ids` are the labels shifted right by one, starting with the
 model's decoder_start_token_id (model.hf_path's config.json), padding where the labels are -100: what transformers'
-seq2seq models build from labels themselves.
+seq2seq models build from labels themselves. A model that is not an encoder-decoder (a BERT, a GPT-2) is refused first.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ def decoder_ids(cfg: Any, pad_id: int) -> tuple[int, int]:
             f"config.json; model.name={cfg.model.name} has none: use model.name=hf"
         )
     config = model_config(path)
+    check_encoder_decoder(config, path)
     start = config.get("decoder_start_token_id")
     if start is None:
         raise UserError(
@@ -56,6 +57,21 @@ def decoder_ids(cfg: Any, pad_id: int) -> tuple[int, int]:
         )
     pad = config.get("pad_token_id")
     return int(start), int(pad) if pad is not None else pad_id
+
+
+def check_encoder_decoder(config: dict[str, Any], path: str) -> None:
+    """An encoder alone (a BERT) or a decoder alone (a GPT-2) has no decoder to feed the target to: one line naming
+    what the model is and the tasks it serves, before its missing decoder_start_token_id is asked for."""
+    from parallel_train.models.hf_loading import tasks_served
+
+    if config.get("is_encoder_decoder") or NAME in (served := tasks_served(config)):
+        return
+    kind = config.get("model_type") or "model of no model_type"
+    serves = f"; a {kind} serves model.task={', '.join(served[:-1])}{' or ' if served[1:] else ''}{served[-1]}" if served else ""
+    raise UserError(
+        f"model.task={NAME}: model.hf_path {path!r} is a {kind}, not an encoder-decoder (its config.json has no "
+        f'"is_encoder_decoder": true): {NAME} needs one, such as T5 or BART{serves}'
+    )
 
 
 def texts_of(rows: Rows, part: dict[str, list], split: str, d: Any) -> tuple[list[str], list[str]]:
