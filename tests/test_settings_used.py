@@ -4,6 +4,7 @@ and saved configs say nothing. One case per row of the table, in process (load_c
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 HF = ["model.name=hf", "model.hf_path={hf}"]
 PREPARED = "data.path={prepared}"
 MINE = "data.source=mine"
+SEQ2SEQ = [*HF, "model.task=seq2seq"]
 
 # key -> (a value other than its default, settings under which it is not read, settings under which it is)
 CASES = {
@@ -33,8 +35,15 @@ CASES = {
     "data.text_columns": ("[question,answer]", [], [MINE]),
     "data.label_column": ("y", [], [MINE]),
     "data.mlm_probability": ("0.2", [], [MINE]),
-    "data.source_lang": ("en", [], [MINE]),
-    "data.target_lang": ("de", [], [MINE]),
+    # Rows of source and target columns: no translation dict to read the languages from (issue 34).
+    "data.source_lang": ("en", [*SEQ2SEQ, "data.path={pairs}"], [MINE]),
+    "data.target_lang": ("de", [*SEQ2SEQ, "data.path={pairs}"], [*SEQ2SEQ, "data.path={wmt}"]),
+    # A folder with its own validation split (issue 34), as a text task or an imagefolder reads it.
+    "data.val_fraction": (
+        "0.2",
+        [*HF, "model.task=sequence-classification", "data.path={glue}"],
+        [*HF, "model.task=sequence-classification", "data.path={pairs}"],
+    ),
     "data.num_samples": ("10", [], ["data.path=synthetic"]),
     "data.synthetic_padding": ("true", ["data.path=random", "model.name=mlp"], ["data.path=synthetic"]),
     "data.verify": ("full", [], [PREPARED]),
@@ -59,14 +68,29 @@ CASES = {
 }
 
 
+def jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
 @pytest.fixture
 def places(tmp_path):
-    """A model folder (the config layer only checks it holds config.json) and a prepared-data folder."""
+    """A model folder (the config layer only checks it holds config.json), a prepared-data folder, seq2seq rows of
+    source and target columns and of translation dicts, and a folder of rows with its own validation split."""
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text("{}")
     (tmp_path / "prepared").mkdir()
     (tmp_path / "prepared" / "prepared.json").write_text("{}")
-    return {"hf": tmp_path / "hf", "prepared": tmp_path / "prepared"}
+    (tmp_path / "glue").mkdir()
+    for split in ("train", "validation"):
+        jsonl(tmp_path / "glue" / f"{split}.jsonl", [{"sentence": "hear me", "label": i % 2} for i in range(4)])
+    return {
+        "hf": tmp_path / "hf",
+        "prepared": tmp_path / "prepared",
+        "pairs": jsonl(tmp_path / "pairs.jsonl", [{"source": "hear me", "target": "speak all"}] * 4),
+        "wmt": jsonl(tmp_path / "wmt.jsonl", [{"translation": {"en": "hear me", "de": "hoert mich"}}] * 4),
+        "glue": tmp_path / "glue",
+    }
 
 
 def load(args: list[str], places) -> None:
@@ -108,6 +132,23 @@ def test_sample_keys_with_text_data_are_one_notice_and_a_chat_template_a_refusal
         assert item in err, err
     with pytest.raises(UserError, match=r"^data.chat_template: applies to samples \(data.format=chat or instruction\)"):
         load_config(["data.chat_template=mine.jinja"])
+
+
+def test_keys_the_data_makes_unread_are_named_in_one_notice(places, capsys):
+    """Issue 34: data.val_fraction beside the data's own validation split, and the languages of seq2seq rows that are
+    source and target columns, were ignored without a word; the seq2seq data.label_column names a target column too."""
+    folder = places["pairs"].parent / "pairs_split"
+    folder.mkdir()
+    for split in ("train", "validation"):
+        jsonl(folder / f"{split}.jsonl", [{"source": "hear me", "target": "speak all"}] * 4)
+    keys = ["data.val_fraction=0.2", "data.source_lang=en", "data.target_lang=de"]
+    load([*SEQ2SEQ, f"data.path={folder}", *keys], places)
+    notices = [line for line in capsys.readouterr().err.splitlines() if line.startswith("notice:")]
+    assert len(notices) == 1 and all(f"{key.split('=')[0]} (read only with" in notices[0] for key in keys), notices
+    load([*SEQ2SEQ, "data.path={wmt}", "data.label_column=de_text", *keys[1:]], places)  # a target column named
+    assert "data.source_lang (read only with" in capsys.readouterr().err
+    load([*SEQ2SEQ, "data.path={wmt}", *keys], places)  # translation dicts, no validation split: every key read
+    assert capsys.readouterr().err == ""
 
 
 def test_defaults_shipped_configs_and_saved_configs_say_nothing(tmp_path, capsys):

@@ -21,6 +21,7 @@ from parallel_train.errors import UserError
 
 SAMPLES = "data.format=chat or instruction"
 DECAYING = "train.lr_schedule=cosine, linear or wsd"
+TRANSLATIONS = "model.task=seq2seq on rows of a `translation` dict (not a target column)"
 FULL_WINDOWS = f"applies to samples ({SAMPLES}), not to windows of text (data.format=text), which are full already"
 
 
@@ -49,6 +50,25 @@ TEXT_TASKS = ("sequence-classification", "token-classification", "masked-lm", "s
 def _task(*tasks: str) -> Callable[[Any], bool]:
     """Read under these model.task values (or by a data source of your own, which reads what it likes)."""
     return lambda c: not _text_source(c) or c.model.task in tasks
+
+
+def _translations(c: Any) -> bool:
+    """seq2seq rows of translation dicts (tasks/seq2seq.py), not of a target column. Imported late: it reads the
+    first row of data.path."""
+    from parallel_train.tasks.seq2seq import reads_languages
+
+    return reads_languages(c)
+
+
+def _own_validation(c: Any) -> bool:
+    """The data brings its validation split: prepared or streamed data, data.path=random (a draw of its own), or a
+    folder with a validation split that a text task or an imagefolder reads (a causal LM's text splits by fraction)."""
+    from parallel_train.tasks.text_rows import has_validation_split  # imported late: it lists the folder
+
+    d = c.data
+    if d.streaming or d.path == "random" or _prepared(c):
+        return True
+    return c.model.task in (*TEXT_TASKS, "image-classification") and has_validation_split(d.path)
 
 
 def _prepared(c: Any) -> bool:
@@ -106,8 +126,14 @@ ROWS: tuple[Row, ...] = (
     Row("data.text_columns", "model.task=sequence-classification, token-classification, masked-lm or seq2seq", _task(*TEXT_TASKS)),
     Row("data.label_column", "model.task=sequence-classification, token-classification or seq2seq", _task(*TEXT_TASKS[:2], "seq2seq")),
     Row("data.mlm_probability", "model.task=masked-lm", _task("masked-lm")),
-    Row("data.source_lang", "model.task=seq2seq", _task("seq2seq")),
-    Row("data.target_lang", "model.task=seq2seq", _task("seq2seq")),
+    Row("data.source_lang", TRANSLATIONS, lambda c: not _text_source(c) or (c.model.task == "seq2seq" and _translations(c))),
+    Row("data.target_lang", TRANSLATIONS, lambda c: not _text_source(c) or (c.model.task == "seq2seq" and _translations(c))),
+    Row(
+        "data.val_fraction",
+        "data without a validation split of its own (a folder's validation files or split, prepared or streamed data and "
+        "data.path=random have one)",
+        lambda c: not _text_source(c) or not _own_validation(c),
+    ),
     Row(
         "data.tokenizer",
         "tokenized data (not data.path=random or synthetic, not model.task=image-classification; prepared data brings its own)",

@@ -20,7 +20,17 @@ import numpy as np
 from parallel_train.errors import UserError
 from parallel_train.losses import IGNORE_INDEX
 from parallel_train.tasks.task import Task
-from parallel_train.tasks.text_rows import EncodedRows, Encoder, Rows, check_text_columns, read_rows, task_data, task_tokenizer
+from parallel_train.tasks.text_rows import (
+    EncodedRows,
+    Encoder,
+    Rows,
+    check_text_columns,
+    choose_columns,
+    first_columns,
+    read_rows,
+    task_data,
+    task_tokenizer,
+)
 
 NAME = "seq2seq"
 LAYOUTS = ((("source",), "target"), (("translation",), None), (("text",), "summary"))
@@ -72,6 +82,22 @@ def check_encoder_decoder(config: dict[str, Any], path: str) -> None:
         f"model.task={NAME}: model.hf_path {path!r} is a {kind}, not an encoder-decoder (its config.json has no "
         f'"is_encoder_decoder": true): {NAME} needs one, such as T5 or BART{serves}'
     )
+
+
+def reads_languages(cfg: Any) -> bool:
+    """Whether the rows are translation dicts, read at data.source_lang and data.target_lang: not when a target column
+    is read (data.label_column, or the layout data.path's columns choose). config/usage.py asks it before the data is
+    read; True where the columns cannot be seen then (the load says what is wrong)."""
+    d = cfg.data
+    if d.label_column:
+        return False
+    have = first_columns(d.path)
+    if have is None:
+        return True
+    try:
+        return choose_columns(LAYOUTS, d, have, d.path, NAME)[1] is None
+    except UserError:
+        return True
 
 
 def texts_of(rows: Rows, part: dict[str, list], split: str, d: Any) -> tuple[list[str], list[str]]:

@@ -15,6 +15,7 @@ model.block_size, so that every batch has one shape (pipelines and torch.compile
 from __future__ import annotations
 
 import bisect
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from parallel_train.data.inputs import folder_splits, loading_error, row_datasets
+from parallel_train.data.inputs import folder_splits, loading_error, resolve_inputs, row_datasets
 from parallel_train.data.text import Data, check_resumed_tokenizer, vocab_size_for
 from parallel_train.data.tokenizers import HFTokenizer, Tokenizer, load_tokenizer, needs_corpus
 from parallel_train.errors import UserError
@@ -75,6 +76,41 @@ def tables(path: str) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
         raise UserError(f"data.path: {path!r} has no train split (splits: {', '.join(loaded)}); save the training rows as 'train'")
     val = [(f"{path} (validation)", loaded["validation"])] if "validation" in loaded else []
     return [(f"{path} (train)", loaded["train"])], val
+
+
+def has_validation_split(path: str) -> bool:
+    """Whether data.path holds validation rows of its own, by the rule `tables` (and an imagefolder) splits by: a
+    save_to_disk DatasetDict with a validation split, or a folder's validation files (validation.jsonl, dev.csv, val/).
+    config/usage.py asks it before anything is read: data.val_fraction is then not read."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return False
+    if save_to_disk_folder(folder):
+        try:
+            return "validation" in json.loads((folder / "dataset_dict.json").read_text(encoding="utf-8")).get("splits", [])
+        except (OSError, ValueError, AttributeError):  # a Dataset (no dataset_dict.json), or a file the load refuses
+            return False
+    return "validation" in folder_splits(folder)
+
+
+def first_columns(path: str) -> list[str] | None:
+    """The columns of data.path's first train table, read from its first row only (a local file, a folder of them, a
+    save_to_disk folder); None where they cannot be seen without reading more (a Hub name, a file the load refuses:
+    the load then says why). config/usage.py asks it before the data is read."""
+    try:
+        import datasets
+
+        datasets.disable_progress_bars()
+        if save_to_disk_folder(Path(path)):
+            loaded = datasets.load_from_disk(path)  # memory-mapped: nothing is read but the schema
+            return (loaded if isinstance(loaded, datasets.Dataset) else loaded["train"]).column_names
+        if not Path(path).exists():
+            return None
+        source = resolve_inputs([path], "data.path")[0]
+        first = datasets.load_dataset(source.builder, data_files=source.files[:1], split="train", streaming=True)
+        return list(next(iter(first)))
+    except Exception:  # noqa: BLE001 (whatever it is, the load says it in one line)
+        return None
 
 
 def choose_columns(layouts: tuple[Layout, ...], d: Any, have: list[str], where: str, task: str) -> Layout:
