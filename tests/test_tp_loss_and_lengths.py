@@ -123,6 +123,7 @@ def test_label_smoothing_under_tensor_parallel_equals_one_process(tmp_path):
 def test_a_block_size_tp_cannot_cut_stops_every_rank_in_one_line(tmp_path):
     r = run(warm_cmd(2, *TINY, "model.block_size=15", "parallel.tp=2", f"output_dir={tmp_path / 'bad'}"), env=launch_env(tmp_path))
     assert r.returncode != 0 and "Traceback" not in r.output and "collective" not in r.output, r.output[-3000:]
+    # said once, without "rank N": every rank failed with this same line (errors.report_user_error)
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert errors == [
         "error: model.block_size=15: sequence parallel cuts every sequence into parallel.tp=2 equal shards, and 2 "
