@@ -64,6 +64,17 @@ def test_loss_parallel_serves_plain_cross_entropy_only(monkeypatch):
     assert not losses.plain_cross_entropy(lambda logits, targets: smoothed(logits, targets).sum())  # a task's own loss_sum
 
 
+def test_the_estimator_counts_the_gathered_logits_of_a_loss_loss_parallel_cannot_serve(monkeypatch):
+    from parallel_train.parallel.memory_estimate import estimate
+
+    cfg = load_config([*TINY[:4], "parallel.tp=2", "train.batch_size=4"])[0]
+    sample = (torch.zeros(16, dtype=torch.long), torch.zeros(16, dtype=torch.long))
+    whole = 4 * 16 * 65 * 4  # a micro-batch's logits in fp32
+    assert estimate(cfg, 2, 65, sample)[1][0].breakdown["loss"] < 0.6 * whole  # loss parallel: 33 of 65 columns
+    monkeypatch.setattr(losses, "token_losses", smoothed)
+    assert estimate(cfg, 2, 65, sample)[1][0].breakdown["loss"] >= whole
+
+
 def test_a_length_sequence_parallel_cannot_cut_is_one_line_and_the_estimator_says_it_too():
     message = r"^model.block_size=15: sequence parallel cuts every sequence into parallel.tp=2 equal shards, .* \(14 or 16\)$"
     with pytest.raises(UserError, match=message):
