@@ -5,7 +5,8 @@ training row, its inputs are ids[:-1] and its targets ids[1:], with -100 (counte
 token to predict is not one to learn: a sample of L ids fills L - 1 positions.
 
 - Padded (`PaddedSamples`): each batch is as long as its longest sample, rounded up to a multiple of 8 (kernels
-  like aligned shapes), at most model.block_size; the padding's targets are -100, and it comes after each sample's
+  like aligned shapes; of 8 and parallel.tp, whose sequence parallel cuts every row into tp equal shards), at most
+  model.block_size (which tp divides: parallel/sharding.py check_length); the padding's targets are -100, and it comes after each sample's
   own tokens, where causal attention never lets a real token see it. Pipelines and torch.compile want one shape
   for every batch: there every batch is model.block_size long (`fixed`).
 - Packed (`PackedSamples`): samples are put into rows of exactly model.block_size positions by best-fit
@@ -71,8 +72,8 @@ def training_row(ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndar
 class PaddedSamples(Dataset):
     """One sample per row, each batch padded to its longest (or to block_size when `fixed`)."""
 
-    def __init__(self, samples: Samples, block_size: int, pad_id: int, fixed: bool):
-        self.samples, self.block_size, self.pad_id, self.fixed = samples, block_size, pad_id, fixed
+    def __init__(self, samples: Samples, block_size: int, pad_id: int, fixed: bool, align: int = ALIGN):
+        self.samples, self.block_size, self.pad_id, self.fixed, self.align = samples, block_size, pad_id, fixed, align
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -82,7 +83,7 @@ class PaddedSamples(Dataset):
         return int(np.argmax(self.samples.lengths))
 
     def width(self, longest: int) -> int:
-        return self.block_size if self.fixed else min(self.block_size, -(-longest // ALIGN) * ALIGN)
+        return self.block_size if self.fixed else min(self.block_size, -(-longest // self.align) * self.align)
 
     def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         rows = [training_row(*self.samples.get(i)) for i in indices]

@@ -15,6 +15,7 @@ in seconds whatever its size. Batches: data/packing.py (padded to the batch's lo
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -22,7 +23,7 @@ import numpy as np
 from parallel_train.config.sections import Config, DataConfig
 from parallel_train.data.chat_format import ChatFormat, load_format
 from parallel_train.data.inputs import row_datasets
-from parallel_train.data.packing import PackedSamples, PaddedSamples, Samples, SamplesInMemory, learnable_tokens
+from parallel_train.data.packing import ALIGN, PackedSamples, PaddedSamples, Samples, SamplesInMemory, learnable_tokens
 from parallel_train.data.text import Data, check_resumed_tokenizer, vocab_size_for
 from parallel_train.data.tokenizers import Tokenizer, load_tokenizer, needs_corpus
 from parallel_train.errors import UserError
@@ -136,7 +137,8 @@ def sample_datasets(cfg: Config, train: Samples, val: Samples, pad_id: int) -> t
         return PackedSamples(train, cfg.model.block_size, pad_id), PackedSamples(val, cfg.model.block_size, pad_id)
     # torch's pipeline schedules and torch.compile want one shape for every batch
     fixed = cfg.parallel.pipeline_stages > 1 or cfg.train.compile
-    return PaddedSamples(train, cfg.model.block_size, pad_id, fixed), PaddedSamples(val, cfg.model.block_size, pad_id, fixed)
+    align = math.lcm(ALIGN, cfg.parallel.tp)  # sequence parallel cuts every row into tp equal shards
+    return tuple(PaddedSamples(samples, cfg.model.block_size, pad_id, fixed, align) for samples in (train, val))
 
 
 def describe(cfg: Config, fmt_line: str, n_train: int, n_val: int, train: Any) -> str:

@@ -23,6 +23,8 @@ def engine_lines(engine: Any, train: Any, global_batch: int, params: dict[str, i
     ]
     if engine.compiled:
         lines.append(f"[parallel_train] compiled: {engine.compiled}")
+    if getattr(engine, "notice", None):  # e.g. logits gathered whole for a loss loss parallel cannot serve (parallel/sharding.py)
+        lines.append(engine.notice)
     trainable, total = params["trainable_params"], params["total_params"]
     if trainable < total:  # LoRA: the optimizer holds the adapters only
         lines.append(f"[parallel_train] trainable: {trainable:,} of {total:,} parameters ({100 * trainable / total:.2f}%); the rest frozen")

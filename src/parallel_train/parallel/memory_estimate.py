@@ -202,7 +202,9 @@ def _activations(cfg: Config, layout: MeshLayout, vocab_size: int, mesh, sample,
     plan = _stage_plan(cfg, model, layout)
     views = [stage_module(model, names) for names in plan] if layout.pp > 1 else [model]
     # The engines' decision, on the whole model (parallel/mesh_engine.py, pipeline/distributed.py)
-    logits_cut = tensor_parallel_cuts(model, layout.tp)[1]
+    from parallel_train.tasks.registry import task_of
+
+    logits_cut = tensor_parallel_cuts(model, layout.tp, model_cfg.block_size, task_of(cfg).loss_sum)[1]
     if layout.sharded or _fsdp(cfg, layout):
         for view in views:
             parallelize(view, mesh, cut, mp_policy=policy, shard_data_parallel=_fsdp(cfg, layout), loss_parallel=logits_cut)

@@ -32,6 +32,7 @@ from torch import nn
 
 from parallel_train.checkpoint.named_state import RankState
 from parallel_train.config.sections import Config
+from parallel_train.losses import cross_entropy_sum
 from parallel_train.models.ties import find_ties
 from parallel_train.parallel.ddp_engine import OptimizerFactory
 from parallel_train.parallel.engine import accumulate
@@ -40,6 +41,7 @@ from parallel_train.parallel.precision import Precision
 from parallel_train.parallel.sharding import (
     clip_grad_norm,
     cuts_line,
+    gathered_logits_notice,
     local_numel,
     loss_context,
     parallelize,
@@ -65,17 +67,23 @@ class MeshEngine:
         total = sum(q.numel() for q in model.parameters())
         self.ties = find_ties(model)  # one tensor under FSDP2 (one root group holds it); tensor parallelism would cut it apart
         refuse_cut_ties(model, self.ties, layout.tp)
+        # Loss parallel under tensor parallelism: the logits stay cut by vocabulary and plain cross-entropy runs on the
+        # shards; another loss gets them gathered whole. Decided (and a length sequence parallel cannot cut refused)
+        # alike on every rank, before the mesh's first collective.
+        loss_sum = task_of(cfg).loss_sum  # the task's loss (tasks/)
+        sequence_parallel, self.loss_parallel = tensor_parallel_cuts(model, layout.tp, cfg.model.block_size, loss_sum)
+        self.notice = gathered_logits_notice(model, layout.tp, self.loss_parallel, cfg.train.batch_size, cfg.model.block_size)
         self.mesh = build_device_mesh(layout, self.device.type)
         policy = precision.fsdp_policy()
-        # Loss parallel under tensor parallelism: the logits stay cut by vocabulary and the loss runs on the shards.
-        sequence_parallel, self.loss_parallel = tensor_parallel_cuts(model, layout.tp)
         self.compiled = parallelize(model, self.mesh, layout, mp_policy=policy, compile=cfg.train.compile, loss_parallel=self.loss_parallel)
         init.fill(model, self.device)  # parallel/model_init.py: only now does this rank's slice of each parameter get memory
         self.model = model
         self.fsdp = hasattr(model, "set_requires_gradient_sync")  # fully_shard made it an FSDPModule
         self.autocast = not (self.fsdp and policy is not None)  # FSDP2's policy already computes in bf16/fp16
-        loss_sum = task_of(cfg).loss_sum  # the task's loss (tasks/)
-        self.loss_fn = torch.compile(loss_sum) if cfg.train.compile and not self.loss_parallel else loss_sum
+        if self.loss_parallel:  # plain cross-entropy (losses.plain_cross_entropy), computed on DTensor shards
+            self.loss_fn = cross_entropy_sum
+        else:
+            self.loss_fn = torch.compile(loss_sum) if cfg.train.compile else loss_sum
         self.optimizer = make_optimizer(model)
         self.params = [q for group in self.optimizer.param_groups for q in group["params"]]
         self.local_numel = local_numel(model)

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel_train.errors import UserError
+from parallel_train.losses import plain_cross_entropy
 from parallel_train.parallel.mesh import MeshLayout, data_parallel_mesh
 from parallel_train.parallel.parts import fsdp_units
 
@@ -73,15 +74,50 @@ def logits_by_vocabulary(model: nn.Module, plan: dict) -> dict:
     return {**plan, name: ColwiseParallel(input_layouts=plan[name].input_layouts[0], output_layouts=Shard(-1), use_local_output=False)}
 
 
-def tensor_parallel_cuts(model: nn.Module, tp: int) -> tuple[bool, bool]:
+def tensor_parallel_cuts(model: nn.Module, tp: int, length: int | None = None, loss_sum=None) -> tuple[bool, bool]:
     """(sequence parallel, loss parallel) for `model` (the WHOLE model: a pipeline's stages are cut alike) under
-    `parallel.tp`: whether its plan runs norms on sequence shards, and whether its logits can stay cut by vocabulary."""
+    `parallel.tp`: whether its plan runs norms on sequence shards, and whether its logits stay cut by vocabulary. The
+    engines and the memory estimate ask this one function, on every rank before any collective, so all decide alike:
+    - `length` (model.block_size, the longest sequence a batch holds): sequence parallel cuts every sequence into tp
+      equal shards, so a length tp does not divide is refused in one line (`check_length`);
+    - `loss_sum` (the task's loss): loss parallel computes plain cross-entropy only; any other objective
+      (losses.plain_cross_entropy says) keeps the plan's gathered logits, on which the user's function runs
+      (`gathered_logits_notice` says what that costs)."""
     from torch.distributed.tensor.parallel import SequenceParallel
 
     if tp == 1:
         return False, False
     plan = tensor_parallel_plan(model, tp)
-    return any(isinstance(style, SequenceParallel) for style in plan.values()), output_layer(model, plan) is not None
+    sequence = any(isinstance(style, SequenceParallel) for style in plan.values())
+    if sequence and length is not None:
+        check_length(length, tp)
+    return sequence, output_layer(model, plan) is not None and plain_cross_entropy(loss_sum)
+
+
+def check_length(length: int, tp: int) -> None:
+    """Sequence parallel holds 1/tp of every sequence on each rank: a model.block_size that tp does not divide would
+    cut it unevenly, which the collectives between the shards cannot exchange (gloo aborts, NCCL hangs)."""
+    if length % tp:
+        lower, upper = length - length % tp, length + tp - length % tp
+        choices = f"{lower} or {upper}" if lower else str(upper)
+        raise UserError(
+            f"model.block_size={length}: sequence parallel cuts every sequence into parallel.tp={tp} equal shards, and {tp} "
+            f"does not divide {length}; choose a model.block_size that is a multiple of {tp} ({choices})"
+        )
+
+
+def gathered_logits_notice(model: nn.Module, tp: int, loss_parallel: bool, batch: int, length: int) -> str | None:
+    """One line where tensor parallelism cuts the output layer by vocabulary but the loss is not plain cross-entropy,
+    so the logits of each micro-batch are gathered whole on every tensor-parallel rank for it (None elsewhere)."""
+    if tp == 1 or loss_parallel or output_layer(model, tensor_parallel_plan(model, tp)) is None:
+        return None
+    vocab = model.get_output_embeddings().weight.shape[0]
+    whole = batch * length * vocab * 4
+    return (
+        f"notice: token_losses (src/parallel_train/losses.py) is not plain cross-entropy, so loss parallel cannot serve it: "
+        f"under parallel.tp={tp} the logits are gathered whole for it on every rank, {batch} x {length} x {vocab} x 4 bytes = "
+        f"{whole / 2**20:,.1f} MiB per micro-batch in fp32 (loss parallel would hold {whole / tp / 2**20:,.1f} MiB)"
+    )
 
 
 def cuts_line(sequence: bool, loss: bool) -> str:

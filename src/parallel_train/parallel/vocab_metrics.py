@@ -5,7 +5,9 @@ rank holds (batch, T, vocab / tp). Gathering them whole for evaluation would put
 rank at once (16 x 8192 x 128256 in fp32 is 64 GiB: more than training ever holds), so the task's own metrics run on
 the shards, each with a few numbers per token crossing ranks:
 - loss (and perplexity, from the same statistics): torch's `loss_parallel` cross-entropy, per token
-  (reduction="none"): log-sum-exp and the target's logit, each all-reduced over the tensor-parallel ranks;
+  (reduction="none"): log-sum-exp and the target's logit, each all-reduced over the tensor-parallel ranks. That is
+  `token_losses` itself: the engines keep the logits cut only when it is plain cross-entropy
+  (losses.plain_cross_entropy); for any other loss they are gathered whole, in training and here alike;
 - accuracy: each rank's best logit and its index in the whole vocabulary, all-gathered; the first rank holding the
   largest wins, which is the lowest index among equal maxima, as `argmax` over the whole row picks.
 Any other metric (a user's, METRICS of your own, F1 of classes) gets the logits gathered whole once per batch, as
@@ -16,11 +18,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from parallel_train.eval_metrics import Metric, accuracy_stats, loss_stats, per_sample_correct, per_sample_losses, stats_by
-from parallel_train.losses import IGNORE_INDEX
+from parallel_train.losses import cross_entropy
 
 
 def cut_by_vocabulary(logits: torch.Tensor) -> bool:
@@ -34,7 +35,7 @@ def sharded_loss_stats(logits: DTensor, targets: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor.parallel import loss_parallel
 
     with loss_parallel():
-        losses = F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="none", ignore_index=IGNORE_INDEX)
+        losses = cross_entropy(logits, targets)
     return per_sample_losses(losses.to_local().view(targets.shape), targets)  # replicated: every rank the same
 
 

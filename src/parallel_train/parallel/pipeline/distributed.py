@@ -41,7 +41,7 @@ from parallel_train.checkpoint.named_state import RankState
 from parallel_train.config.sections import Config
 from parallel_train.data.batch import concat, named_inputs, parts, refuse_other_inputs
 from parallel_train.errors import UserError
-from parallel_train.losses import logits_of
+from parallel_train.losses import cross_entropy_sum, logits_of
 from parallel_train.models.ties import find_ties
 from parallel_train.parallel.collectives import gather_to_rank0
 from parallel_train.parallel.ddp_engine import OptimizerFactory
@@ -56,6 +56,7 @@ from parallel_train.parallel.sharding import (
     clip_grad_norm,
     cuts_line,
     fsdp_wraps,
+    gathered_logits_notice,
     local_numel,
     loss_context,
     parallelize,
@@ -148,7 +149,10 @@ class MultiProcessPipelineEngine:
         total = sum(q.numel() for q in model.parameters())
         ties = find_ties(model)  # the whole model's, before any cut: a stage may hold only the alias (parallel/pipeline/tied.py)
         refuse_cut_ties(model, ties, layout.tp)
-        sequence_parallel, self.loss_parallel = tensor_parallel_cuts(model, layout.tp)  # the whole model's: every stage alike
+        # The whole model's cuts, every stage alike; a loss loss parallel cannot serve gets the logits gathered whole
+        sequence_parallel, self.loss_parallel = tensor_parallel_cuts(model, layout.tp, cfg.model.block_size, self.loss_sum)
+        self.notice = gathered_logits_notice(model, layout.tp, self.loss_parallel, max(1, cfg.train.batch_size // M), cfg.model.block_size)
+        self.loss_sum = cross_entropy_sum if self.loss_parallel else self.loss_sum  # plain cross-entropy, on DTensor shards
         measure = measure_units(model, probe, self.device, init)
         plan = plan_stages(model, S * V, p.split, measure)
         self.inputs = named_inputs(model.forward)  # the batch's inputs every stage gets (positions, attention_mask, ...)
