@@ -21,7 +21,8 @@ the adapters merged in, and OUT-adapter beside it the adapters alone, for `peft.
 writes output_dir/hf/ (and output_dir/adapter/) itself at the end.
 
 OUT is never a run folder, a checkpoint, or a folder holding anything an earlier export did not write: such an OUT
-is refused in one line naming it and what is there, before anything is written (src/parallel_train/run/export_dir.py).
+is refused in one line naming it and what is there, before anything is written (src/parallel_train/run/export_dir.py;
+every folder written lists its files with their sha256: src/parallel_train/checkpoint/writer.py).
 Without OUT: RUN/hf for `--format hf` of a run folder (the run's own export, replaced), else
 RUN/exports/step_NNNNNNN-safetensors or -hf beside the run's checkpoints (outside checkpoints/: a checkpoint stays
 as its manifest says). Everything is written into `.OUT.tmp-<pid>` beside OUT and renamed in place at the end: a
@@ -124,7 +125,8 @@ def safetensors_writer(folder: Path, out: Path, limit: int | None) -> tuple[list
 
 
 def main() -> int:
-    from parallel_train.run.export_dir import check_target, default_target, write_folders
+    from parallel_train.checkpoint.writer import write_folders
+    from parallel_train.run.export_dir import check_target, default_target
 
     args = parse(sys.argv[1:])
     limit = size_bytes(args.max_shard_size) if args.max_shard_size else None
