@@ -133,14 +133,14 @@ def foreign_entries(folder: Path) -> list[str]:
     return found
 
 
-def check_folder(folder: Path, hint: str = "give a new or empty folder, or move them away first") -> None:
+def check_folder(folder: Path) -> None:
     """Refuse in one line to replace `folder` when it holds anything the template did not write, or changed since."""
     foreign = foreign_entries(folder) if folder.is_dir() else []
     if foreign:
         more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
         listed_names = ", ".join(foreign[:3]) + more
         raise UserError(
-            f"{folder} holds files the template did not write or that changed since ({listed_names}): it never deletes them; {hint}"
+            f"{folder} holds files the template did not write or that changed since ({listed_names}): it never deletes them; move them away, then run again"
         )
 
 
@@ -192,10 +192,10 @@ def write_failed(target: Path, error: OSError, hint: str) -> UserError:
 def write_folders(target: Path, write: Callable[[Path], T], names: set[str] | None = None, hint: str = "") -> T:
     """`write(folder)` writes `folder` (named as `target`, and any folders beside it, e.g. a LoRA run's adapters)
     into the temporary `.NAME.tmp-<pid>` beside `target`; each is then listed and renamed in place of its namesake
-    beside `target`. `names`: the only names it may write; each that exists is checked first (`check_folder`): one line,
-    nothing written (without `names`, `target` first and any other written folder before it is replaced). Returns what `write` returned, a line naming the temporary folders
-    naming their final place. An OSError (a full or read-only disk) is one line, ending with `hint` (what to do);
-    any failure leaves the old folders as they were."""
+    beside `target`. `names`: the only names it may write. Each folder it replaces is checked (`check_folder`: one
+    line, nothing written): those of `names` (else `target`) before anything is written, any other before the swap.
+    Returns what `write` returned, a line naming the temporary folders naming their final place. An OSError (a full
+    or read-only disk) is one line, ending with `hint` (what to do); any failure leaves the old folders as they were."""
     parent = target.parent
     for name in sorted(names or {target.name}):
         check_folder(parent / name)
