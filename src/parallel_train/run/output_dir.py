@@ -49,11 +49,11 @@ RUN_FILES = ("metrics.jsonl", "summary.json", "model.safetensors")
 LOCK = ".lock"
 # What a run writes in output_dir: files it replaces (each listed: checkpoint/writer.py), its log, lock and listing,
 # and folders: checkpoints/ (their manifests), hf/ and adapter/ (their listings), exports/ (scripts/export.py), the
-# trackers'; and the temporary names of a write under way.
+# trackers'; and the temporary names of a write under way (and NFS's .nfsXXXX for a file removed while open).
 REPLACED = ("config.yaml", "summary.json", "model.safetensors", PICTURE, "pipeline_timeline.png", VOCAB_FILE, HF_FILE)
 REPLACED += (*CHAT_FILES, LABELS_FILE)  # the tokenizer's companions (Data.files)
 KEPT = ("metrics.jsonl", LOCK, LISTING, "checkpoints", "hf", "adapter", "exports", "tensorboard", "wandb")
-TEMPORARY = re.compile(r"\..+\.tmp(-\d+)?|model\.safetensors\.tmp|\.write-test-\d+")
+TEMPORARY = re.compile(r"\..+\.tmp(-\d+)?|model\.safetensors\.tmp|\.write-test-\d+|\.nfs[0-9a-f]+")
 NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # flock unsupported by this file system
 
 
