@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,7 +21,7 @@ from parallel_train.checkpoint.writer import check_file, listed, write_file, wri
 from parallel_train.config.load import load_config
 from parallel_train.errors import UserError
 from parallel_train.run.export_dir import check_target
-from parallel_train.run.finished import decide
+from parallel_train.run.finished import decide, meet_finished_run
 from parallel_train.run.output_dir import LOCK, check_output_dir, check_run_files
 
 
@@ -154,11 +153,12 @@ def test_a_finished_run_whose_config_cannot_be_read_is_never_done_for_another_co
     }.get(case, json.dumps({"final_val_loss": 2.0}))
     config_yaml = {"config_yaml_corrupt": "model: [unclosed", "config_yaml_without_keys": yaml.safe_dump({"note": "mine"})}.get(case)
     out = finished_run(tmp_path, text, config_yaml)
-    decision = decide(cfg, out)
-    assert "done" not in decision, decision
-    assert decision["refusal"].startswith(f"resume=auto: output_dir {out} holds a run that finished at step ")
-    assert f"{out / 'summary.json'} does not say which config it finished with" in decision["refusal"]
-    shutil.rmtree(out)
+    rerun = meet_finished_run(cfg, out)  # what the trainer asks; no checkpoint: done_from(None) is the verdict
+    assert rerun.done is None and rerun.done_from(None, cfg.train.max_steps) is None, rerun
+    with pytest.raises(UserError) as refused:
+        rerun.refuse_unless(None)
+    assert str(refused.value).startswith(f"resume=auto: output_dir {out} holds a run that finished at step ")
+    assert f"{out / 'summary.json'} does not say which config it finished with" in str(refused.value)
 
 
 def test_a_finished_run_with_its_config_is_done_only_for_that_config(tmp_path):
