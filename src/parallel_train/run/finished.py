@@ -13,8 +13,9 @@ with (`summary_config`). A launch with resume=auto into such a folder:
 A summary.json of an earlier version records no config: config.yaml, written by the launch that finished, stands in
 for it when its train.max_steps is the summary's steps. A config that cannot be read, or lacks the keys every config
 holds (`DEFINING`: an empty or foreign one would compare equal to any launch), says nothing: such a run is never
-done, and without a checkpoint to continue from the launch is refused in one line naming the file. A `checkpoints` that is a file is never passed over in
-silence: the done line says so, and any other launch stops in one line (its first save would fail).
+done, and without a checkpoint to continue from the launch is refused in one line naming summary.json. A
+`checkpoints` that is a file is never passed over in silence: the done line says so, and any other launch stops in
+one line (its first save would fail).
 
 Rank 0 reads the folder and decides; every rank takes its decision (from_rank0), so every rank exits alike.
 """

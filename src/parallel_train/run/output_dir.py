@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from parallel_train.checkpoint.json_text import json_text
-from parallel_train.checkpoint.writer import LISTING, check_file, check_folder, record, write_file
+from parallel_train.checkpoint.writer import LISTING, check_file, check_folder, listed, record, write_file
 from parallel_train.config.sections import Config
 from parallel_train.data.chat_format import FILES as CHAT_FILES
 from parallel_train.data.tokenizers import HF_FILE, VOCAB_FILE
@@ -58,12 +58,13 @@ NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # flock
 
 
 def not_a_runs(out: Path) -> list[str]:
-    """What in `out` a run never writes there ([] for a new or empty folder)."""
+    """What in `out` a run never writes there, and its listing does not name ([] for a new or empty folder)."""
     try:
         names = sorted(os.listdir(out)) if out.is_dir() else []
     except OSError:
         return []  # cannot be read: the write test below says why
-    return [n + ("/" if (out / n).is_dir() else "") for n in names if n not in REPLACED + KEPT and not TEMPORARY.fullmatch(n)]
+    ours = {*REPLACED, *KEPT, *listed(out)}
+    return [n + ("/" if (out / n).is_dir() else "") for n in names if n not in ours and not TEMPORARY.fullmatch(n)]
 
 
 def check_output_dir(cfg: Config) -> Path:
