@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import glob
-import hashlib
 import json
 import os
 import shutil
@@ -31,6 +30,7 @@ from typing import TypeVar
 
 from parallel_train.checkpoint.disk import as_os_error, free_bytes, human, write_atomic
 from parallel_train.checkpoint.json_text import json_text
+from parallel_train.checkpoint.manifest import sha256 as sha256_of  # hashlib.file_digest, as a checkpoint's manifest
 from parallel_train.errors import UserError
 
 T = TypeVar("T")
@@ -41,11 +41,6 @@ FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 # ---------------------------------------------------------------- the listing
-
-
-def sha256_of(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def listed(folder: Path) -> dict[str, str]:
