@@ -23,7 +23,8 @@ writes output_dir/hf/ (and output_dir/adapter/) itself at the end.
 each is refused in one line (it would change nothing).
 
 OUT is never a run folder, a checkpoint, or a folder holding anything an earlier export did not write: such an OUT
-is refused in one line naming it and what is there, before anything is written (src/parallel_train/run/export_dir.py).
+is refused in one line naming it and what is there, before anything is written (src/parallel_train/run/export_dir.py;
+every folder written lists its files with their sha256: src/parallel_train/checkpoint/writer.py).
 Without OUT: RUN/hf for `--format hf` of a run folder (the run's own export, replaced), else
 RUN/exports/step_NNNNNNN-safetensors or -hf beside the run's checkpoints (outside checkpoints/: a checkpoint stays
 as its manifest says). Everything is written into `.OUT.tmp-<pid>` beside OUT and renamed in place at the end: a
@@ -140,7 +141,8 @@ def safetensors_writer(folder: Path, out: Path, limit: int | None) -> tuple[list
 
 
 def main() -> int:
-    from parallel_train.run.export_dir import check_target, default_target, write_folders
+    from parallel_train.checkpoint.writer import write_folders
+    from parallel_train.run.export_dir import check_target, default_target
 
     args = parse(sys.argv[1:])
     limit = size_bytes(args.max_shard_size) if args.max_shard_size else None

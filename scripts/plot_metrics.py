@@ -5,7 +5,8 @@
     python scripts/plot_metrics.py runs/ddp runs/fsdp runs/pipeline           -> runs/compare.png
     python scripts/plot_metrics.py runs/a runs/b --out /tmp/a_vs_b.png
 
-Reads each run's metrics.jsonl; draws headless (no display needed).
+Reads each run's metrics.jsonl; draws headless (no display needed). A default OUT is written as the run writes its
+picture (src/parallel_train/checkpoint/writer.py): never over a file the template did not write there; --out is yours.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run from a clone, no install step
 
+from parallel_train.checkpoint.writer import write_with  # noqa: E402
 from parallel_train.errors import UserError, run_cli  # noqa: E402
 from parallel_train.observe.plots import PICTURE, plot_runs  # noqa: E402
 
@@ -40,7 +42,7 @@ def main() -> int:
     out = args.out or (args.runs[0] / PICTURE if len(args.runs) == 1 else args.runs[0].parent / "compare.png")
     if out.suffix.lower() != ".png":
         raise UserError(f"--out {out}: give a .png file name")
-    print(plot_runs(args.runs, out))
+    print(plot_runs(args.runs, out) if args.out else write_with(out, lambda path: plot_runs(args.runs, path)))
     return 0
 
 

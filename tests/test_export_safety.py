@@ -19,8 +19,8 @@ import pytest
 import hf_tiny
 from helpers import TINY, check, launch_env, run, snapshot, warm_cmd, warm_script
 from parallel_train.checkpoint.manifest import verify
+from parallel_train.checkpoint.writer import LISTING, write_folders
 from parallel_train.errors import UserError
-from parallel_train.run.export_dir import MARK, write_folders
 
 pytestmark = pytest.mark.multiprocess
 
@@ -50,8 +50,8 @@ def export(tmp_path: Path, *args: str):
 
 
 def one_line(result) -> str:
-    """The one error line of a refused export (exit 2, no traceback)."""
-    lines = [line for line in result.output.splitlines() if line.strip()]
+    """The one error line of a refused export or run (exit 2, no traceback)."""
+    lines = [line for line in result.output.splitlines() if line.strip() and not line.startswith("no CUDA GPU found")]
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.output[-3000:]
     return lines[0]
 
@@ -109,22 +109,55 @@ def test_a_checkpoint_export_goes_beside_the_run_and_resume_auto_continues_from_
     assert (run_dir / "exports" / "step_0000006-hf" / "config.json").is_file() and verify(newest) is None
 
 
+# ---------------------------------------------------------------- a run writes only what is its own (issue 34)
+
+
+def test_a_run_into_its_own_model_folder_is_refused_before_anything_is_written(llama, tmp_path):
+    """output_dir = model.hf_path (a save_pretrained folder): the run replaced the model's model.safetensors, exit 0.
+    Now one line naming what a run never writes, exit 2, and the model folder is as it was."""
+    model = tmp_path / "llama"
+    shutil.copytree(llama.parent / "llama", model)
+    before = snapshot(model)
+    line = one_line(run(warm_cmd(1, *HF, f"model.hf_path={model}", f"output_dir={model}"), env=launch_env(tmp_path)))
+    assert line.startswith(f"error: output_dir: {str(model)!r} holds config.json"), line
+    assert "which no run writes" in line and snapshot(model) == before
+
+
+def test_a_finished_run_extended_stops_before_training_when_its_hf_folder_holds_a_users_file(llama, tmp_path):
+    """A model card added to RUN/hf and its config.json edited, then the run extended (resume=auto, more steps): its
+    final write replaced hf/ whole, the card deleted and the edit undone. Now it stops in one line naming them before
+    it trains (no checkpoint past step 6), and every file of the run is as it was."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(llama, run_dir)
+    (run_dir / "hf" / "README.md").write_text("# my model card\n")
+    config = run_dir / "hf" / "config.json"
+    config.write_text(config.read_text() + "\n")
+    before = snapshot(run_dir)
+    model = llama.parent / "llama"
+    line = one_line(run(warm_cmd(1, *HF, f"model.hf_path={model}", "train.max_steps=9", f"output_dir={run_dir}"), env=launch_env(tmp_path)))
+    assert line.startswith(
+        f"error: {run_dir / 'hf'} holds files the template did not write or that changed since (README.md, config.json): "
+        "it never deletes them"
+    ), line
+    assert snapshot(run_dir) == before
+
+
 # ---------------------------------------------------------------- what keeps working
 
 
 def test_an_earlier_export_is_replaced_whole_and_the_runs_own_hf_folder_written_again(gpt, llama, tmp_path):
-    """An export's folder lists what it wrote (MARK): re-exporting replaces it whole (no shard of the sharded export
+    """An export's folder lists what it wrote (LISTING): re-exporting replaces it whole (no shard of the sharded export
     is left beside the single file); the run's own hf/ (written by the run, listed too) is written again by
     `export.py RUN --format hf`."""
     out = tmp_path / "out"
     check(export(tmp_path, gpt, out, "--max-shard-size", "40KB"))
     assert len(list(out.glob("model-*-of-*.safetensors"))) > 1
     check(export(tmp_path, gpt, out))
-    assert sorted(p.name for p in out.iterdir()) == [MARK, "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [LISTING, "model.safetensors"]
     assert (out / "model.safetensors").read_bytes() == (gpt / "model.safetensors").read_bytes()
     assert not list(tmp_path.glob(".out.tmp-*"))
     own = llama / "hf"
-    assert (own / MARK).is_file()
+    assert (own / LISTING).is_file()
     result = check(export(tmp_path, llama, "--format", "hf"))
     assert f"Hugging Face model folder: {own}" in result.output and (own / "config.json").is_file()
 

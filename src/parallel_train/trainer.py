@@ -21,10 +21,10 @@ from tqdm.auto import tqdm
 
 from parallel_train import faults
 from parallel_train.checkpoint import checkpointer
-from parallel_train.checkpoint.disk import write_atomic
 from parallel_train.checkpoint.json_text import json_text
 from parallel_train.checkpoint.named_state import torch_optimizer
 from parallel_train.checkpoint.train_state import TrainingState
+from parallel_train.checkpoint.writer import write_file, write_with
 from parallel_train.config.sections import Config
 from parallel_train.data.batch import check_model_takes, rows
 from parallel_train.data.streaming import gather_positions, position_for
@@ -56,9 +56,9 @@ from parallel_train.parallel.accelerator import deepspeed_runs, make_accelerator
 from parallel_train.parallel.build import build_engine, describe, shards_parameters, splits_the_model
 from parallel_train.parallel.model_init import Whole, start_model
 from parallel_train.parallel.precision import make_precision
-from parallel_train.run.final_weights import write_final_weights
+from parallel_train.run.final_weights import own_folders, write_final_weights
 from parallel_train.run.finished import meet_finished_run
-from parallel_train.run.output_dir import check_output_dir, lock_output_dir, write_run_files
+from parallel_train.run.output_dir import check_output_dir, claim_run_files, lock_output_dir, write_run_files
 from parallel_train.run.resume import choose_checkpoint
 from parallel_train.run.resume_config import SCHEDULE, apply_schedule, change_notice, check_same_files, config_changes
 from parallel_train.step import Stepper, StepResult
@@ -106,6 +106,9 @@ class Trainer:
         if self.done:
             return
         rerun.refuse_unless(self.resume_from)
+        # Before anything is trained: every file and folder the run will replace is its own, unchanged (run/output_dir.py).
+        self.own_format = getattr(MODELS[cfg.model.name], "export", None)  # a model from elsewhere saves its own format too
+        claim_run_files(self.out, self.accelerator.is_main_process, own_folders(cfg.model, self.own_format))
         # Keys that may change on resume apply from the resumed step; any other change stops here (run/resume_config.py).
         self.changes = config_changes(self.resume_from, cfg) if self.resume_from else {}
         self.device = self.accelerator.device
@@ -376,14 +379,14 @@ class Trainer:
         if not self.accelerator.is_main_process:
             return
         final = self.ckpt_root / checkpointer.checkpoint_name(cfg.train.max_steps)
-        own_format = getattr(MODELS[cfg.model.name], "export", None)  # a model from elsewhere saves its own format too
-        written = write_final_weights(final if final.is_dir() else self.resume_from, out, cfg.model, own_format, self.data, self.labels)
+        source = final if final.is_dir() else self.resume_from
+        written = write_final_weights(source, out, cfg.model, self.own_format, self.data, self.labels)
         if written:
             say(f"[parallel_train] {written}")
         self.settle()
         summary = {**run_summary(self), **engine_summary}
-        write_atomic(out / "summary.json", json_text(summary, indent=1))
-        say(f"[parallel_train] loss curves: {plot_runs([out], out / PICTURE)}")
+        write_file(out / "summary.json", json_text(summary, indent=1))
+        say(f"[parallel_train] loss curves: {write_with(out / PICTURE, lambda path: plot_runs([out], path))}")
         say(
             f"[parallel_train] done: {cfg.train.max_steps} steps, val loss {fmt(self.state.final_val_loss)}, "
             f"{summary['wall_time_s']:.1f} s; outputs in {out}"

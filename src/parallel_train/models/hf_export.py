@@ -112,7 +112,7 @@ def export_pretrained(
     chat_files: dict[str, str] | None = None,
     label_names: list[str] | None = None,
 ) -> str:
-    """Write the folder `out` (new or empty: run/export_dir.py's `write_folders` writes it beside the old one and
+    """Write the folder `out` (new or empty: checkpoint/writer.py's `write_folders` writes it beside the old one and
     replaces it whole), its weights in `dtype` (default: as trained).
     `base`: for a LoRA run, the transformers model with its pretrained weights, into which `state` (the adapters)
     is merged; the adapters alone go to `adapter_folder(out)`. `chat_files`: the chat template the run trained with

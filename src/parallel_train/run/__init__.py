@@ -1,8 +1,9 @@
-"""A run's folder and what happens to it between launches: checked and locked for one run at a time
-(`output_dir.py`), which checkpoint a run continues from, chosen once for every rank (`resume.py`), what a
+"""A run's folder and what happens to it between launches: a new or empty folder or a run's, checked and locked for
+one run at a time (`output_dir.py`), which checkpoint a run continues from, chosen once for every rank (`resume.py`), what a
 resumed run may change in its config (`resume_config.py`), the folder an export writes: never a run, a
-checkpoint or a user's files, and written whole (`export_dir.py`), and a run that finished there launched again
+checkpoint or a user's files (`export_dir.py`; written by checkpoint/writer.py), and a run that finished there launched again
 (`finished.py`: nothing to train, or refused; never trained again from step 0).
 
-May import: config, checkpoint, errors, parallel.collectives. Never an engine or the trainer.
+May import: config, checkpoint, errors, parallel.collectives, and the names of the files a run writes (data, tasks,
+observe). Never an engine or the trainer.
 """

@@ -1,6 +1,9 @@
 """The weights a finished run leaves in output_dir: `model.safetensors` (the whole model under canonical names, one
 tensor at a time, from the last checkpoint), and for a model from elsewhere its own format too (`hf/`, a
-save_pretrained folder, written whole beside the old one and then put in its place: run/export_dir.py)."""
+save_pretrained folder, and `adapter/` for LoRA adapters, written whole beside the old ones and then put in their
+place). Both go through checkpoint/writer.py, as scripts/export.py's folders do: a file there the template did not
+write, or that changed since, is never replaced; the run stops in one line naming it (run/output_dir.py checks the
+same before the run trains)."""
 
 from __future__ import annotations
 
@@ -10,7 +13,15 @@ from typing import Any
 
 from parallel_train.checkpoint.disk import write_error
 from parallel_train.checkpoint.export import checkpoint_weights, export, load_weights
-from parallel_train.run.export_dir import write_folders
+from parallel_train.checkpoint.writer import check_file, record, write_folders
+
+
+def own_folders(model_cfg: Any, own_format: Callable | None) -> tuple[str, ...]:
+    """The folders a finished run writes in output_dir beside model.safetensors: hf/ for a model from elsewhere
+    (`own_format`), and adapter/ too for its LoRA adapters."""
+    if own_format is None:
+        return ()
+    return ("hf", "adapter") if getattr(model_cfg, "lora_rank", 0) else ("hf",)
 
 
 def write_final_weights(
@@ -18,11 +29,13 @@ def write_final_weights(
 ) -> str | None:
     """model.safetensors from checkpoint `source`, then the model's own format (`own_format`: its class's `export`,
     None for the template's own models) in out/hf. Returns the line saying what the own format wrote, or None."""
+    check_file(out / "model.safetensors")
     try:
         export(source, out)  # model.safetensors, one whole tensor at a time
     except OSError as e:  # a full disk: export() writes model.safetensors.tmp, then renames it
         (out / "model.safetensors.tmp").unlink(missing_ok=True)
         raise write_error(out / "model.safetensors", e, sum(w.nbytes for w in checkpoint_weights(source).values())) from None
+    record(out, ["model.safetensors"])
     if own_format is None:
         return None
     weights = load_weights(out)  # the whole model just written: save_pretrained takes it in memory
@@ -31,5 +44,6 @@ def write_final_weights(
         lambda folder: own_format(
             model_cfg, weights, folder, data.vocab, chat_files=data.files, **({"label_names": labels} if labels else {})
         ),
+        names=set(own_folders(model_cfg, own_format)),
         hint="free space (or fix the disk), then relaunch: the run writes hf/ again from its last checkpoint",
     )

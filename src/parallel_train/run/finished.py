@@ -11,8 +11,11 @@ with (`summary_config`). A launch with resume=auto into such a folder:
   over the finished run's model.safetensors, metrics.jsonl and summary.json.
 
 A summary.json of an earlier version records no config: config.yaml, written by the launch that finished, stands in
-for it when its train.max_steps is the summary's steps. A `checkpoints` that is a file is never passed over in
-silence: the done line says so, and any other launch stops in one line (its first save would fail).
+for it when its train.max_steps is the summary's steps. A config that cannot be read, or lacks the keys every config
+holds (`DEFINING`: an empty or foreign one would compare equal to any launch), says nothing: such a run is never
+done, and without a checkpoint to continue from the launch is refused in one line naming summary.json. A
+`checkpoints` that is a file is never passed over in silence: the done line says so, and any other launch stops in
+one line (its first save would fail).
 
 Rank 0 reads the folder and decides; every rank takes its decision (from_rank0), so every rank exits alike.
 """
@@ -32,6 +35,7 @@ from parallel_train.run.resume_config import differences, saved_config
 
 SUMMARY = "summary.json"
 NOT_COMPARED = ("output_dir", "resume")  # where the run is and how it was found say nothing about what it trained
+DEFINING = ("model.name", "train.max_steps", "train.seed")  # keys every config holds: without them it is none
 
 
 def summary_config(cfg: Config) -> dict[str, Any]:
@@ -100,7 +104,7 @@ def decide(cfg: Config, out: Path) -> dict[str, Any]:
         )
     if finished is None:
         return {}
-    what = "its summary.json does not say which config it finished with"
+    what = f"{out / SUMMARY} does not say which config it finished with (unreadable, or no config in it)"
     if changes:
         what = "this launch changes " + ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items())
     return {
@@ -124,10 +128,15 @@ def finished_run(out: Path) -> tuple[Any, float | None, dict[str, Any] | None] |
         return "?", None, None
     steps, val_loss, config = summary.get("steps"), summary.get("final_val_loss"), summary.get("config")
     if isinstance(config, dict):
-        return steps, val_loss, flatten(config)
+        return steps, val_loss, a_config(flatten(config))
     try:  # an earlier version's summary: the launch that finished wrote config.yaml
-        earlier = saved_config(out)
+        earlier = a_config(saved_config(out))
     except UserError:
         earlier = None
     same_run = earlier is not None and earlier.get("train.max_steps") == steps
     return steps, val_loss, earlier if same_run else None
+
+
+def a_config(flat: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`flat` when it holds the keys every config holds, else None (it says nothing about what the run trained)."""
+    return flat if flat is not None and all(key in flat for key in DEFINING) else None

@@ -1,4 +1,13 @@
-"""The output folder: checked before anything is written, and held by one run at a time.
+"""The output folder: a run's own, checked before anything is written, and held by one run at a time.
+
+A run writes only inside its output_dir, and only into a folder that is new, empty, or a run of this template:
+`check_output_dir` refuses in one line, before anything is written, a folder that holds anything a run never writes
+there (a model folder's config.json, someone's notes, other runs). `check_run_files` (the main process, once the
+launch will train) refuses each file the run would replace that it did not write or that changed since (the
+listing of checkpoint/writer.py), and hf/ and adapter/ when it writes them, so a refusal never costs a training run.
+Every file it writes there goes through checkpoint/writer.py; metrics.jsonl, its log, is appended to (on resume cut
+back to the resumed step: observe/tracking.py). A run folder of a version before the listing (config.yaml,
+no listing) is taken as it is: its files are listed once.
 
 Two launches into one output_dir (a SLURM requeue while the old job still runs, a command started twice) would
 delete each other's temporary checkpoints and interleave metrics.jsonl. So the process that writes the shared
@@ -21,26 +30,57 @@ import errno
 import fcntl
 import json
 import os
+import re
 import socket
 import time
 from pathlib import Path
 
-from parallel_train.checkpoint.disk import write_atomic, write_error
 from parallel_train.checkpoint.json_text import json_text
+from parallel_train.checkpoint.writer import LISTING, check_file, check_folder, listed, record, write_file
 from parallel_train.config.sections import Config
+from parallel_train.data.chat_format import FILES as CHAT_FILES
+from parallel_train.data.tokenizers import HF_FILE, VOCAB_FILE
 from parallel_train.errors import UserError
+from parallel_train.observe.plots import PICTURE
 from parallel_train.parallel.collectives import from_rank0
+from parallel_train.tasks.label_names import LABELS_FILE
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "model.safetensors")
 LOCK = ".lock"
+# What a run writes in output_dir: files it replaces (each listed: checkpoint/writer.py), its log, lock and listing,
+# and folders: checkpoints/ (their manifests), hf/ and adapter/ (their listings), exports/ (scripts/export.py), the
+# trackers'; and the temporary names of a write under way (and NFS's .nfsXXXX for a file removed while open).
+REPLACED = ("config.yaml", "summary.json", "model.safetensors", PICTURE, "pipeline_timeline.png", VOCAB_FILE, HF_FILE)
+REPLACED += (*CHAT_FILES, LABELS_FILE)  # the tokenizer's companions (Data.files)
+KEPT = ("metrics.jsonl", LOCK, LISTING, "checkpoints", "hf", "adapter", "exports", "tensorboard", "wandb")
+TEMPORARY = re.compile(r"\..+\.tmp(-\d+)?|model\.safetensors\.tmp|\.write-test-\d+|\.nfs[0-9a-f]+")
 NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # flock unsupported by this file system
 
 
+def not_a_runs(out: Path) -> list[str]:
+    """What in `out` a run never writes there, and its listing does not name ([] for a new or empty folder)."""
+    try:
+        names = sorted(os.listdir(out)) if out.is_dir() else []
+    except OSError:
+        return []  # cannot be read: the write test below says why
+    ours = {*REPLACED, *KEPT, *listed(out)}
+    return [n + ("/" if (out / n).is_dir() else "") for n in names if n not in ours and not TEMPORARY.fullmatch(n)]
+
+
 def check_output_dir(cfg: Config) -> Path:
-    """Refuse an output_dir that is a file, not writable, or holds a run we would overwrite."""
+    """Refuse an output_dir that is a file, not writable, holds anything a run never writes, or holds a run we would
+    overwrite."""
     out = Path(cfg.output_dir)
     if out.exists() and not out.is_dir():
         raise UserError(f"output_dir: {cfg.output_dir!r} is a file; give a folder")
+    foreign = not_a_runs(out)
+    if foreign:
+        more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+        raise UserError(
+            f"output_dir: {cfg.output_dir!r} holds {', '.join(foreign[:3])}{more}, which no run writes (a model folder? "
+            "someone's files?): a run writes only into a new or empty folder or a run of its own; choose another output_dir "
+            "(nothing was written there)"
+        )
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".write-test-{time.monotonic_ns()}"
@@ -141,16 +181,38 @@ def lock_output_dir(out: Path, main: bool, notice) -> RunLock:
     return lock
 
 
+def check_run_files(out: Path, folders: tuple[str, ...]) -> None:
+    """Main process, before the run writes anything: each file of output_dir it may replace, and each of `folders`
+    (hf/, adapter/ when it writes them), holds only what the template wrote there, unchanged; else one line naming it.
+    A run of an earlier version (config.yaml, no listing) is taken as it is: its files are listed now."""
+    present = [name for name in REPLACED if (out / name).exists() or (out / name).is_symlink()]
+    if present and not (out / LISTING).exists() and (out / "config.yaml").is_file():
+        record(out, present)
+    for name in present:
+        check_file(out / name)
+    for name in folders:
+        check_folder(out / name)
+
+
+def claim_run_files(out: Path, main: bool, folders: tuple[str, ...]) -> None:
+    """`check_run_files`, decided by the main process for every rank (a collective)."""
+    why = None
+    if main:
+        try:
+            check_run_files(out, folders)
+        except UserError as e:
+            why = str(e)
+        except OSError as e:
+            why = f"output_dir: cannot read {out} ({e.strerror}); check its permissions, or choose another output_dir"
+    why = from_rank0(why)
+    if why:
+        raise UserError(why)
+
+
 def write_run_files(out: Path, config_yaml: str, vocab, files: dict[str, str]) -> None:
     """What a run keeps beside its checkpoints from the start (main process only): config.yaml (what runs, a learning
     rate changed on resume included), the tokenizer (vocab.json or tokenizer.json) and its companions (Data.files: a
-    chat template, class names), each written whole."""
-    write_atomic(out / "config.yaml", config_yaml)
-    tokenizer_files = {**(vocab.files() if vocab is not None else {}), **files}
-    try:
-        if vocab is not None:
-            vocab.save(out)
-        for name, text in files.items():
-            write_atomic(out / name, text)
-    except OSError as e:
-        raise write_error(out / next(iter(tokenizer_files), "vocab.json"), e, sum(map(len, tokenizer_files.values()))) from None
+    chat template, class names), each written whole and listed (checkpoint/writer.py)."""
+    write_file(out / "config.yaml", config_yaml)
+    for name, text in {**(vocab.files() if vocab is not None else {}), **files}.items():
+        write_file(out / name, text)

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from parallel_train.checkpoint.writer import write_with
+
 Span = tuple[int, int, int, str, float, float]  # row, stage, micro-batch, "F" or "B", start s, end s
 
 
@@ -177,11 +179,14 @@ def write_report(
     if flushes:
         path = out / "pipeline_timeline.png"
         measured = result["pipeline_bubble_measured"]
-        draw(
-            flushes[-1],
-            row_labels,
+        write_with(  # checked and listed in output_dir (checkpoint/writer.py)
             path,
-            f"{title}\nbubble measured {measured:.0%} (mean of {len(flushes)} flushes), ideal {result['pipeline_bubble_ideal']:.0%}",
+            lambda path: draw(
+                flushes[-1],
+                row_labels,
+                path,
+                f"{title}\nbubble measured {measured:.0%} (mean of {len(flushes)} flushes), ideal {result['pipeline_bubble_ideal']:.0%}",
+            ),
         )
         result["pipeline_timeline"] = path.name
         say(
