@@ -26,7 +26,8 @@ from parallel_train.checkpoint.json_text import json_text
 from parallel_train.checkpoint.named_state import torch_optimizer
 from parallel_train.checkpoint.train_state import TrainingState
 from parallel_train.config.sections import Config
-from parallel_train.data.batch import check_model_takes, rows
+from parallel_train.data.batch import rows
+from parallel_train.data.batch_check import check_first_batches
 from parallel_train.data.streaming import gather_positions, position_for
 from parallel_train.data.text import train_loader, val_loader
 from parallel_train.data.tokenizers import load_saved
@@ -155,7 +156,7 @@ class Trainer:
                 "before it is sharded; add one for a meta-device start (models/gpt.py, src/parallel_train/parallel/model_init.py)"
             )
         first = lambda: next(iter(val_loader(self.data, cfg, 1)))  # noqa: E731
-        check_model_takes(model.forward, first(), cfg, bool(self.task.load))  # a key the forward lacks: one line, before any step
+        check_first_batches(model, self.data, cfg, self.task, first())  # keys, labels, ids the model lacks: one line, before any step
         probe = lambda: rows(first(), 0, cfg.train.batch_size)  # noqa: E731 (parallel.split=time)
         make_optimizer = lambda m: build_optimizer(m, cfg.train)  # noqa: E731 (over the parameters this rank holds)
         self.engine = build_engine(cfg, self.accelerator, model, init, make_optimizer, self.precision, probe)
