@@ -31,7 +31,7 @@ from parallel_train.data.batch_check import check_first_batches
 from parallel_train.data.streaming import gather_positions, position_for
 from parallel_train.data.text import train_loader, val_loader
 from parallel_train.data.tokenizers import load_saved
-from parallel_train.errors import is_first_process
+from parallel_train.errors import UserError, is_first_process
 from parallel_train.eval_metrics import chosen_metrics, user_metric
 from parallel_train.evaluation import evaluate
 from parallel_train.guards import RunGuard, stop_message
@@ -342,9 +342,16 @@ class Trainer:
         say(train_line(record, self.cfg.train.max_steps))  # plain lines: the bar is off when stderr is not a terminal
 
     def evaluate(self) -> None:
-        """Every validation metric over the fixed eval set (a collective); logged, and kept in the state."""
-        val = evaluate(self.engine, self.val_batches, self.val_metrics)  # {"loss": ..., then the others chosen}
+        """Every validation metric over the fixed eval set (a collective); logged, and kept in the state. A metric that
+        fails (eval.metric: every rank raises alike, evaluation.py) stops the run after this step's checkpoint is written."""
         state, done = self.state, self.state.step
+        try:
+            val = evaluate(self.engine, self.val_batches, self.val_metrics)  # {"loss": ..., then the others chosen}
+        except UserError as e:
+            self.save()  # a collective, as the evaluation was: every rank is here
+            self.saver.finish()
+            where = self.ckpt_root / checkpointer.checkpoint_name(done)
+            raise UserError(f"{e} (step {done}'s checkpoint is written first: {where}; a rerun resumes from it)") from None
         state.final_val_loss, state.final_val_step = val["loss"], done
         state.final_val_metrics = {f"val_{name}": value for name, value in val.items()}
         if val["loss"] is not None and (state.best_val_loss is None or val["loss"] < state.best_val_loss):
