@@ -89,6 +89,7 @@ def check_first_batches(model: Any, data: Data, cfg: Any, task: Any, val_batch: 
     for batch in dicts:
         check_labels(batch, bounds, task, where)
         check_token_ids(batch, bounds, where)
+        check_pixels(model, batch, where)
 
 
 def check_labels(batch: Mapping[str, torch.Tensor], bounds: Bounds, task: Any, where: str) -> None:
@@ -134,3 +135,31 @@ def check_token_ids(batch: Mapping[str, torch.Tensor], bounds: Bounds, where: st
             f"{where}: the batch's {main!r} rows are {x.shape[1]} long, beyond the model's {bounds.positions} positions "
             f"({bounds.positions_from}); cut the rows to {bounds.positions} tokens"
         )
+
+
+def check_pixels(model: Any, batch: Mapping[str, torch.Tensor], where: str) -> None:
+    """A transformers vision model's pixel_values: its num_channels, and what its embeddings take (a ViT takes one image
+    size alone), tried on one image of the batch's shape, on the meta device where the model starts there (shapes only)."""
+    x, hf = batch.get("pixel_values"), getattr(model, "hf", None)
+    if x is None or x.dim() != 4 or hf is None:
+        return
+    path, shape = getattr(model, "hf_path", ""), "x".join(map(str, x.shape[1:]))
+    channels = getattr(hf.config, "num_channels", None)
+    if channels and x.shape[1] != channels:
+        raise UserError(
+            f"{where}: the batch's 'pixel_values' have {x.shape[1]} channels ({shape}), but model.hf_path {path!r} takes {channels} "
+            f"(num_channels in its config.json); give a model of {x.shape[1]} channels, or an image processor that makes {channels}"
+        )
+    embeddings = getattr(hf.base_model, "embeddings", None)
+    weight = next(embeddings.parameters(), None) if isinstance(embeddings, torch.nn.Module) else None
+    if weight is None:
+        return
+    try:
+        with torch.no_grad():
+            embeddings(torch.zeros((1, *x.shape[1:]), device=weight.device, dtype=weight.dtype))
+    except (ValueError, RuntimeError) as e:  # transformers' own words: "Input image size (64*64) doesn't match model (32*32)."
+        said = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise UserError(
+            f"{where}: model.hf_path {path!r} cannot take the batch's 'pixel_values' of {shape} ({said}); give its image processor "
+            "(preprocessor_config.json) the size the model was made for"
+        ) from None
