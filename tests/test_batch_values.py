@@ -106,6 +106,11 @@ BAD = [  # id, sample i, what the one line says
         lambda i: {"input_ids": window(i), "labels": window(i)[:3]},
         "data.source=mine: the batch's 'labels' are of shape (4, 3), 'input_ids' of (4, 8); ",
     ),
+    (
+        "labels_a_list",
+        lambda i: {"input_ids": window(i), "labels": window(i).tolist()},
+        "data.source=mine: the batch's 'labels' is a list, not a tensor; a dict batch holds tensors, batch first",
+    ),
 ]
 
 
@@ -152,3 +157,8 @@ def test_a_hub_model_bounds_are_its_configs(tmp_path):
         )
     with pytest.raises(UserError, match=r"'labels' hold 2, outside 0..1 \(num_labels 2 of model.hf_path"):
         check(lambda i: {"input_ids": ids(i), "labels": torch.tensor(2)}, task="sequence-classification", model=model)
+
+
+def test_labels_beside_inputs_embeds_are_one_per_token():
+    """A float main input (inputs_embeds: batch, tokens, width) has no ids to check, and one label per token fits it."""
+    check(lambda i: {"inputs_embeds": torch.zeros(BLOCK, 4), "labels": window(i)})

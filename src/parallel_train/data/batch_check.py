@@ -84,6 +84,12 @@ def check_first_batches(model: Any, data: Data, cfg: Any, task: Any, val_batch: 
                 f"{where} gives batches without 'labels' (keys: {', '.join(batch)}); name the labels 'labels' (or 'label'), "
                 f"{IGNORE_INDEX} where nothing is learned"
             )
+        other = next((k for k, v in batch.items() if not isinstance(v, torch.Tensor)), None)
+        if other is not None:
+            raise UserError(
+                f"{where}: the batch's {other!r} is a {type(batch[other]).__name__}, not a tensor; a dict batch holds tensors, batch "
+                "first (torch's default_collate stacks a dataset's tensors so, or a collate of your own)"
+            )
     check_model_takes(model.forward, val_batch, cfg, task_data)
     bounds = bounds_of(model, cfg, data, task)
     for batch in dicts:
@@ -102,9 +108,9 @@ def check_labels(batch: Mapping[str, torch.Tensor], bounds: Bounds, task: Any, w
             "where nothing is learned (a regression or multi-label target needs a loss of your own: docs/guide.md section 3)"
         )
     one_per_sample = task.units == "samples"
-    # seq2seq's labels are the target text's tokens: as many rows as the inputs, any length
-    want = labels.dim() == 1 if one_per_sample else labels.shape == x.shape or (task.name == "seq2seq" and labels.dim() == 2)
-    if not want or len(labels) != len(x):
+    # one per input token: (batch, tokens) as the ids, or inputs_embeds' first two; seq2seq's are the target's, of any length
+    per_token = labels.dim() == 2 and x.dim() >= 2 and (labels.shape[1] == x.shape[1] or task.name == "seq2seq")
+    if not (labels.dim() == 1 if one_per_sample else per_token) or len(labels) != len(x):
         takes = "one class id per sample, (batch,)" if one_per_sample else f"one label per input token, shaped like {main!r}"
         raise UserError(
             f"{where}: the batch's 'labels' are of shape {tuple(labels.shape)}, {main!r} of {tuple(x.shape)}; "
