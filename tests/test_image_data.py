@@ -275,11 +275,11 @@ def start_check(folder, model_folder) -> None:
         ),
     ],
 )
-def test_pixels_the_model_cannot_take_are_one_line_at_start(tmp_path, name, settings, says):
+def test_pixels_the_model_cannot_take_are_one_line_at_start(tmp_path, processor, name, settings, says):
     """A 1-channel model on RGB images, a processor of another size than the model's: a ValueError inside step 1 before."""
     make_images(tmp_path / "pets")
     model = model_folder(tmp_path, name, **settings)
-    start_check(tmp_path / "pets", model_folder(tmp_path, "ok"))  # the model the processor was made for starts
+    start_check(tmp_path / "pets", processor)  # the model its processor was made for starts
     with pytest.raises(UserError) as e:
         start_check(tmp_path / "pets", model)
     assert str(e.value) == "model.task=image-classification's data: " + says.format(model=model)
