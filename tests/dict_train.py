@@ -13,6 +13,8 @@ fit the model:
                      logits at a position see nothing after it): the same losses
     padded_dicts     windows_dicts with sample i's first i % 5 tokens left padding: attention_mask 0, labels -100
     typed_dicts      windows_dicts with a `token_type_ids` input (all zeros), which no causal-LM forward takes
+    label_dicts      windows_dicts with the labels under `label`, the name Hugging Face datasets give a class column
+    beyond_dicts     windows_dicts whose last input id is the vocabulary's size: beyond the embedding
 Models (MODELS, models/__init__.py):
     no_logits        model.name=gpt whose forward returns {"hidden": ...}: a dict without the logits
     takes_any        model.name=gpt whose forward takes any input (**inputs) and uses none of them
@@ -42,8 +44,8 @@ class WindowDicts(Dataset):
     """Each (inputs, targets) window of `windows` as one dict of the whole window; `pad`: left-pad sample i with
     i % 5 tokens; `extra`: add a token_type_ids input."""
 
-    def __init__(self, windows: Dataset, pad: bool = False, extra: bool = False):
-        self.windows, self.pad, self.extra = windows, pad, extra
+    def __init__(self, windows: Dataset, pad: bool = False, extra: bool = False, label: bool = False, beyond: int = 0):
+        self.windows, self.pad, self.extra, self.label, self.beyond = windows, pad, extra, label, beyond
 
     def __len__(self) -> int:
         return len(self.windows)
@@ -59,6 +61,10 @@ class WindowDicts(Dataset):
             sample["attention_mask"] = (torch.arange(len(ids)) >= n).long()
         if self.extra:
             sample["token_type_ids"] = torch.zeros_like(ids)
+        if self.label:
+            sample["label"] = sample.pop("labels")
+        if self.beyond:
+            sample["input_ids"][-1] = self.beyond
         return sample
 
 
@@ -71,6 +77,8 @@ def shorter_windows(cfg, vocab) -> Data:
 def as_dicts(**options):
     def load(cfg, vocab) -> Data:
         data = shorter_windows(cfg, vocab)
+        if options.get("beyond"):
+            options["beyond"] = data.vocab_size
         sets = WindowDicts(data.train_set, **options), WindowDicts(data.val_set, **options)
         # collate: torch's default_collate stacks dicts key by key; the shifted labels end in -100: counted.
         return dataclasses.replace(data, train_set=sets[0], val_set=sets[1], all_targets_count=False)
@@ -97,6 +105,8 @@ DATA_SOURCES.update(
     windows_tuples=shorter_windows,
     padded_dicts=as_dicts(pad=True),
     typed_dicts=as_dicts(extra=True),
+    label_dicts=as_dicts(label=True),
+    beyond_dicts=as_dicts(beyond=True),
 )
 MODELS.update(no_logits=NoLogits, takes_any=TakesAny)
 

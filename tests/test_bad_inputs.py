@@ -117,7 +117,7 @@ def env(tmp_path_factory):
 
 def image_files(f: Path) -> None:
     """Image classification (issue 27): an imagefolder with one thing wrong each, a tiny ViT with and without its processor."""
-    from transformers import ViTConfig, ViTImageProcessor  # imported here: collecting this file stays cheap
+    from transformers import ViTImageProcessor  # imported here: collecting this file stays cheap
 
     for name, folders in (("images_flat", ["."]), ("images_empty_class", ["cat", "dog", "fish"]), ("images_broken", ["cat", "dog"])):
         for folder in folders:
@@ -125,11 +125,14 @@ def image_files(f: Path) -> None:
             if folder != "fish":
                 Image.new("RGB", (8, 8)).save(f / name / folder / "0.png")
     (f / "images_broken" / "dog" / "1.png").write_bytes(b"not a png")
-    ViTConfig(
-        image_size=16, patch_size=8, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
-    ).save_pretrained(f / "vit")
+    for i in range(10):  # a good folder: 2 classes, 5 images each
+        (f / "images_ok" / ["cat", "dog"][i % 2]).mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (8, 8), (i, 0, 0)).save(f / "images_ok" / ["cat", "dog"][i % 2] / f"{i}.png")
+    for name, channels in (("vit", 3), ("vit_gray", 1)):  # tests/hf_tiny.py's ViT, one layer; and one of 1 channel
+        hf_tiny.vit_config(num_hidden_layers=1, num_channels=channels).save_pretrained(f / name)
     shutil.copytree(f / "vit", f / "vit_bare")
     ViTImageProcessor(size=16).save_pretrained(f / "vit")
+    ViTImageProcessor(size=16).save_pretrained(f / "vit_gray")
 
 
 def text_task_files(f: Path) -> None:
@@ -350,6 +353,11 @@ IMAGE_CASES = [
     ("image_not_in_a_class_folder", [*IMAGES, "data.path={files}/images_flat"], "images_flat/0.png is not in a class folder"),
     ("image_class_folder_empty", [*IMAGES, "data.path={files}/images_empty_class"], "images_empty_class/fish holds no image"),
     ("image_unreadable", [*IMAGES, "data.path={files}/images_broken"], "images_broken/dog/1.png is not an image Pillow can read"),
+    (  # checked before step 1 on the model as it starts (data/batch_check.py); a ValueError inside step 1 before
+        "image_model_of_one_channel",
+        [*IMAGES, "data.path={files}/images_ok", "model.hf_path={files}/vit_gray", "model.hf_pretrained=false"],
+        "the batch's 'pixel_values' have 3 channels (3x16x16), but model.hf_path",
+    ),
     (
         "image_processor_missing",
         [*IMAGES, "data.path={files}/images_broken", "model.hf_path={files}/vit_bare"],

@@ -51,6 +51,7 @@ LAUNCHES = {  # name -> (processes, model, data source, overrides)
     "fsdp2_tp2": (4, GPT, "windows_dicts", FSDP2_TP2),
     "ddp_x_inproc_pp": (2, GPT, "windows_dicts", (*DDP, *INPROC)),
     "pp2_accum": (2, GPT, "windows_dicts", (*ACCUM, *PP2)),
+    "label_key": (1, GPT, "label_dicts", ONE),  # HF datasets' `label`, taken as `labels` (as transformers' collators do)
     # slow: each layout alone (the default ones above compose them)
     "one": (1, GPT, "windows_dicts", ONE),
     "ddp2": (2, GPT, "windows_dicts", DDP),
@@ -67,7 +68,20 @@ LAUNCHES = {  # name -> (processes, model, data source, overrides)
     "hf_fsdp2": (2, HF, "padded_dicts", (*DDP, "parallel.dp_shard=2")),
     "hf_tp2": (2, HF, "padded_dicts", (*ONE, "parallel.tp=2")),
 }
-SLOW = ("one", "ddp2", "fsdp2", "tp2", "pp2", "inproc_pp", "hf_ddp2", "hf_fsdp2_tp2", "hf_ddp_x_inproc_pp", "hf_fsdp2", "hf_tp2")
+SLOW = (
+    "label_key",
+    "one",
+    "ddp2",
+    "fsdp2",
+    "tp2",
+    "pp2",
+    "inproc_pp",
+    "hf_ddp2",
+    "hf_fsdp2_tp2",
+    "hf_ddp_x_inproc_pp",
+    "hf_fsdp2",
+    "hf_tp2",
+)
 ENGINES = {  # the layout each launch asked for, as its banner says it
     "fsdp2_tp2": "mesh dp_shard 2 x tp 2",
     "ddp_x_inproc_pp": "x 2 DDP replicas",
@@ -143,6 +157,11 @@ REFUSED = {  # name -> (processes, overrides, the one error line's start)
         1,
         ("data.source=padded_dicts",),
         "error: data gives 'attention_mask', which model.name=gpt's forward does not take (data.source=padded_dicts); ",
+    ),
+    "a_token_id_beyond_the_embedding": (
+        1,
+        ("data.source=beyond_dicts",),
+        "error: data.source=beyond_dicts: the batch's 'input_ids' hold 65, beyond the 65 ids the model embeds (the data's vocab_size 65); ",
     ),
     "an_output_without_logits": (
         1,

@@ -227,5 +227,77 @@ def test_a_metric_that_raises_on_the_last_stage_alone_stops_every_rank_at_once(t
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode != 0 and time.monotonic() - started < 60, result.output[-3000:]
     assert errors == [
-        "error: eval.metric: bad(logits, labels) raised ValueError: no labels like these (bad.py line 2); fix the function"
+        "error: eval.metric: bad(logits, labels) raised ValueError: no labels like these (bad.py line 2); fix the function "
+        f"(step 1's checkpoint is written first: {tmp_path / 'run' / 'checkpoints' / 'step_0000001'}; a rerun resumes from it)"
     ], errors
+
+
+VALUES = """
+import torch
+
+
+def counted(logits, labels):
+    return torch.ones(len(labels), 2)
+
+
+def raises_value(totals):
+    return totals[0] / 0
+
+
+def text_value(totals):
+    return "high"
+
+
+def many_value(totals):
+    return torch.tensor(totals)
+
+
+def one_value(totals):
+    return torch.tensor(totals[0])
+"""
+
+
+@pytest.mark.parametrize(
+    "function, says",
+    [
+        (
+            "raises",
+            "eval.metric: raises_value(totals) raised ZeroDivisionError: float division by zero (mine.py line 10); fix the function",
+        ),
+        ("text", "eval.metric: text_value(totals) returned 'high' (str); return a number (or None: not measured)"),
+        ("many", "eval.metric: many_value(totals) returned a tensor of shape (2,); return a number (or None: not measured)"),
+    ],
+)
+def test_a_user_value_that_raises_or_is_no_number_is_one_line(tmp_path, function, says):
+    """FUNCTION_value(totals) makes the reported number (issue 34, kind 8): before, what it raised, or a string or a tensor
+    it returned (math.isfinite refusing it), was a traceback after training."""
+    (tmp_path / "mine.py").write_text(VALUES.replace("def counted", f"def {function}"))
+    name, metric = user_metric(f"{tmp_path}/mine.py:{function}")
+    stats = add_stats(None, metric_stats(torch.zeros(2, 3), torch.tensor([0, 1]), {name: metric}))
+    with pytest.raises(UserError) as e:
+        metric_values(stats, {name: metric})
+    assert str(e.value) == says
+
+
+def test_a_user_value_of_one_element_is_its_number(tmp_path):
+    (tmp_path / "mine.py").write_text(VALUES.replace("def counted", "def one"))
+    name, metric = user_metric(f"{tmp_path}/mine.py:one")
+    stats = add_stats(None, metric_stats(torch.zeros(2, 3), torch.tensor([0, 1]), {name: metric}))
+    assert metric_values(stats, {name: metric}) == {"one": 2.0}
+
+
+def test_a_metric_that_fails_at_the_final_evaluation_keeps_the_training(tmp_path):
+    """The last step's evaluation comes before its checkpoint: a metric failing there stopped the run with nothing of
+    its training kept (and a traceback for a value that was no number). Now the checkpoint is written first, then the one
+    line, which says where it is: a rerun with the function fixed resumes from it."""
+    (tmp_path / "mine.py").write_text(VALUES.replace("def counted", "def text"))
+    out = tmp_path / "run"
+    keys = (*TINY, "train.max_steps=2", "train.lr_decay_steps=2", "eval.iters=1", "checkpoint.interval=0", f"output_dir={out}")
+    result = run(warm_cmd(1, *keys, f"eval.metric={tmp_path}/mine.py:text"), env=launch_env(tmp_path))
+    assert result.returncode == 2 and "Traceback" not in result.output, result.output[-3000:]
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: eval.metric: text_value(totals) returned 'high' (str); return a number (or None: not measured) "
+        f"(step 2's checkpoint is written first: {out / 'checkpoints' / 'step_0000002'}; a rerun resumes from it)"
+    ], result.output[-3000:]
+    assert (out / "checkpoints" / "step_0000002" / "manifest.json").is_file()

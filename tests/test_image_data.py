@@ -232,3 +232,90 @@ def test_a_model_folder_without_an_image_processor_is_one_line(tmp_path, process
         load(tmp_path / "pets", bare)
     with pytest.raises(UserError, match=r"data.val_fraction=0.05 of 12 images leaves 0 for validation"):
         load(tmp_path / "pets", processor, "data.val_fraction=0.05")
+
+
+# ---------------------------------------------------------------- what the model takes, checked at start (issue 34, kind 9)
+
+
+def model_folder(tmp_path, name: str, size: int = 16, **config) -> str:
+    """A tiny ViT classifier's folder whose image processor makes `size` x `size` pixels."""
+    from transformers import ViTImageProcessor
+
+    folder = hf_tiny.save_task_model(hf_tiny.vit_config(**config), "AutoModelForImageClassification", tmp_path / name)
+    ViTImageProcessor(size={"height": size, "width": size}).save_pretrained(folder)
+    return folder
+
+
+def start_check(folder, model_folder) -> None:
+    """The Trainer's check of the first batches (data/batch_check.py), on the model as it starts (on the meta device)."""
+    from parallel_train.data.batch_check import check_first_batches
+    from parallel_train.models import MODELS
+    from parallel_train.parallel.model_init import start_model
+
+    cfg = config(folder, model_folder)
+    data = TASKS["image-classification"].load(cfg, None)
+    model = start_model(MODELS["hf"], cfg.model, data.vocab_size, 0, data.label_names)[0]
+    check_first_batches(model, data, cfg, TASKS["image-classification"], next(iter(val_loader(data, cfg, 1))))
+
+
+@pytest.mark.parametrize(
+    "name, settings, says",
+    [
+        (
+            "gray",
+            {"num_channels": 1},
+            "the batch's 'pixel_values' have 3 channels (3x16x16), but model.hf_path '{model}' takes 1 (num_channels in its "
+            "config.json); give a model of 3 channels, or an image processor that makes 1",
+        ),
+        (
+            "small",
+            {"size": 32},
+            "model.hf_path '{model}' cannot take the batch's 'pixel_values' of 3x32x32 (Input image size (32*32) doesn't match "
+            "model (16*16).); give its image processor (preprocessor_config.json) the size the model was made for",
+        ),
+    ],
+)
+def test_pixels_the_model_cannot_take_are_one_line_at_start(tmp_path, processor, name, settings, says):
+    """A 1-channel model on RGB images, a processor of another size than the model's: a ValueError inside step 1 before."""
+    make_images(tmp_path / "pets")
+    model = model_folder(tmp_path, name, **settings)
+    start_check(tmp_path / "pets", processor)  # the model its processor was made for starts
+    with pytest.raises(UserError) as e:
+        start_check(tmp_path / "pets", model)
+    assert str(e.value) == "model.task=image-classification's data: " + says.format(model=model)
+
+
+@pytest.mark.parametrize("limit, kind", [(30, "error"), (50, "warning")])
+def test_a_decompression_bomb_is_one_line_naming_the_file(tmp_path, processor, monkeypatch, limit, kind):
+    """Pillow refuses an image of more than twice Image.MAX_IMAGE_PIXELS (DecompressionBombError) and warns above it
+    (DecompressionBombWarning): both are one line naming the file (before: a traceback, or a warning and a huge
+    image read at every batch). Here the limit is lowered under the 8 x 8 test images."""
+    from PIL import Image as PILImage
+
+    make_images(tmp_path / "pets")
+    monkeypatch.setattr(PILImage, "MAX_IMAGE_PIXELS", limit)
+    with pytest.raises(UserError) as e:
+        load(tmp_path / "pets", processor)
+    bird = tmp_path / "pets" / "bird" / "0.png"
+    assert str(e.value).startswith(f"data.path: {bird} is more pixels than Pillow opens (Image size (64 pixels) exceeds limit of "), kind
+    assert str(e.value).endswith("could be decompression bomb DOS attack.); shrink it, or remove it")
+
+
+def test_a_class_folder_that_is_a_symbolic_link_is_followed(tmp_path, processor):
+    """User case 11: a class folder linked from elsewhere 'held no image' (datasets' listing does not enter links)."""
+    make_images(tmp_path / "elsewhere", classes=("dog",))
+    make_images(tmp_path / "pets", classes=("bird", "cat"))
+    (tmp_path / "pets" / "dog").symlink_to(tmp_path / "elsewhere" / "dog")
+    data = load(tmp_path / "pets", processor, "data.val_fraction=0.25")
+    assert data.label_names == ["bird", "cat", "dog"] and len(data.train_set) + len(data.val_set) == 12
+    make_images(tmp_path / "split" / "train", classes=("bird", "cat"))
+    make_images(tmp_path / "split" / "validation", classes=("bird",), per_class=2)
+    (tmp_path / "split" / "train" / "dog").symlink_to(tmp_path / "elsewhere" / "dog")
+    (tmp_path / "split" / "validation" / "dog").symlink_to(tmp_path / "elsewhere" / "dog")
+    data = load(tmp_path / "split", processor)
+    assert data.label_names == ["bird", "cat", "dog"] and (len(data.train_set), len(data.val_set)) == (12, 6)
+    only_links = tmp_path / "linked"
+    only_links.mkdir()
+    for name in ("cat", "dog"):
+        (only_links / name).symlink_to(tmp_path / "pets" / name)
+    assert load(only_links, processor, "data.val_fraction=0.25").label_names == ["cat", "dog"]

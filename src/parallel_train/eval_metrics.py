@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import numbers
 import sys
 import traceback
 from collections.abc import Callable
@@ -219,7 +220,7 @@ def user_metric(spec: str) -> tuple[str, Metric]:
             f"eval.metric: {path} has no function {name if not callable(stats) else name + '_value'}"
             f" (its functions: {functions or 'none'}); name one of them"
         )
-    return name, Metric(partial(checked_stats, stats, name, value is ratio), value)
+    return name, Metric(partial(checked_stats, stats, name, value is ratio), value if value is ratio else partial(checked_value, value))
 
 
 def load_file(path: Path):
@@ -244,10 +245,7 @@ def checked_stats(stats: Callable, name: str, needs_ratio: bool, logits: torch.T
     try:
         out = stats(logits, targets)
     except Exception as e:  # the user's code: any exception
-        code = stats.__code__
-        lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == code.co_filename]
-        where = f"{Path(code.co_filename).name} line {lines[-1] if lines else code.co_firstlineno}"
-        raise UserError(f"eval.metric: {name}(logits, labels) raised {type(e).__name__}: {e} ({where}); fix the function") from None
+        raise UserError(f"eval.metric: {name}(logits, labels) raised {raised(stats, e)}; fix the function") from None
     columns = 2 if needs_ratio else 1
     if not (isinstance(out, torch.Tensor) and out.dim() == 2 and out.shape[0] == targets.shape[0] and out.shape[1] >= columns):
         got = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
@@ -257,6 +255,29 @@ def checked_stats(stats: Callable, name: str, needs_ratio: bool, logits: torch.T
             + ("" if not needs_ratio else f" (the value is the first column's sum over the second's, or define {name}_value(totals))")
         )
     return out
+
+
+def checked_value(value: Callable, totals: list[float]) -> float | None:
+    """The user's FUNCTION_value(totals): a number, or None (not measured). What it raises, or anything else it returns
+    (a string, a tensor of several numbers), is one line that names it, said alike on every rank (every rank holds the
+    same totals), so the trainer keeps the training before it stops (trainer.py's evaluate)."""
+    try:
+        out = value(totals)
+    except Exception as e:  # the user's code: any exception
+        raise UserError(f"eval.metric: {value.__name__}(totals) raised {raised(value, e)}; fix the function") from None
+    if isinstance(out, torch.Tensor) and out.numel() == 1:
+        out = out.item()
+    if out is None or (isinstance(out, numbers.Real) and not isinstance(out, bool)):
+        return out
+    got = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else f"{str(out)[:60]!r} ({type(out).__name__})"
+    raise UserError(f"eval.metric: {value.__name__}(totals) returned {got}; return a number (or None: not measured)")
+
+
+def raised(function: Callable, e: Exception) -> str:
+    """What the user's `function` raised and where: "ValueError: ... (FILE line N)", the line of its file the error left."""
+    code = function.__code__
+    lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == code.co_filename]
+    return f"{type(e).__name__}: {e} ({Path(code.co_filename).name} line {lines[-1] if lines else code.co_firstlineno})"
 
 
 # ---------------------------------------------------------------- sums

@@ -54,7 +54,7 @@ def evaluate(engine, val_batches, metrics: dict[str, Metric]) -> dict[str, float
                 failed = str(e)
             else:
                 totals = add_stats(totals, stats) if engine.loss_owner else totals
-    engine.set_training(True)
+    engine.set_training(True)  # before the values: a user's value function that fails leaves the model training (trainer.py saves it)
     return metric_values(sum_over_ranks(totals, failed), metrics)
 
 

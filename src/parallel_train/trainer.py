@@ -26,11 +26,12 @@ from parallel_train.checkpoint.named_state import torch_optimizer
 from parallel_train.checkpoint.train_state import TrainingState
 from parallel_train.checkpoint.writer import write_file, write_with
 from parallel_train.config.sections import Config
-from parallel_train.data.batch import check_model_takes, rows
+from parallel_train.data.batch import rows
+from parallel_train.data.batch_check import check_first_batches
 from parallel_train.data.streaming import gather_positions, position_for
 from parallel_train.data.text import train_loader, val_loader
 from parallel_train.data.tokenizers import load_saved
-from parallel_train.errors import is_first_process
+from parallel_train.errors import UserError, is_first_process
 from parallel_train.eval_metrics import chosen_metrics, user_metric
 from parallel_train.evaluation import evaluate
 from parallel_train.guards import RunGuard, stop_message
@@ -158,7 +159,7 @@ class Trainer:
                 "before it is sharded; add one for a meta-device start (models/gpt.py, src/parallel_train/parallel/model_init.py)"
             )
         first = lambda: next(iter(val_loader(self.data, cfg, 1)))  # noqa: E731
-        check_model_takes(model.forward, first(), cfg, bool(self.task.load))  # a key the forward lacks: one line, before any step
+        check_first_batches(model, self.data, cfg, self.task, first())  # keys, labels, ids the model lacks: one line, before any step
         probe = lambda: rows(first(), 0, cfg.train.batch_size)  # noqa: E731 (parallel.split=time)
         make_optimizer = lambda m: build_optimizer(m, cfg.train)  # noqa: E731 (over the parameters this rank holds)
         self.engine = build_engine(cfg, self.accelerator, model, init, make_optimizer, self.precision, probe)
@@ -344,9 +345,16 @@ class Trainer:
         say(train_line(record, self.cfg.train.max_steps))  # plain lines: the bar is off when stderr is not a terminal
 
     def evaluate(self) -> None:
-        """Every validation metric over the fixed eval set (a collective); logged, and kept in the state."""
-        val = evaluate(self.engine, self.val_batches, self.val_metrics)  # {"loss": ..., then the others chosen}
+        """Every validation metric over the fixed eval set (a collective); logged, and kept in the state. A metric that
+        fails (eval.metric: every rank raises alike, evaluation.py) stops the run after this step's checkpoint is written."""
         state, done = self.state, self.state.step
+        try:
+            val = evaluate(self.engine, self.val_batches, self.val_metrics)  # {"loss": ..., then the others chosen}
+        except UserError as e:
+            self.save()  # a collective, as the evaluation was: every rank is here
+            self.saver.finish()
+            where = self.ckpt_root / checkpointer.checkpoint_name(done)
+            raise UserError(f"{e} (step {done}'s checkpoint is written first: {where}; a rerun resumes from it)") from None
         state.final_val_loss, state.final_val_step = val["loss"], done
         state.final_val_metrics = {f"val_{name}": value for name, value in val.items()}
         if val["loss"] is not None and (state.best_val_loss is None or val["loss"] < state.best_val_loss):

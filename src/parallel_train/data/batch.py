@@ -32,7 +32,16 @@ from parallel_train.errors import UserError
 
 Batch = tuple[torch.Tensor, ...] | dict[str, torch.Tensor]
 LABELS = "labels"
+LABEL = "label"  # the name of Hugging Face datasets' class column, which transformers' collators rename to LABELS
 MAIN_INPUTS = ("input_ids", "pixel_values", "inputs_embeds", "input_values")
+
+
+def with_labels(batch: Batch) -> Batch:
+    """A dict batch's "label" key named "labels", as transformers' data collators rename it (a batch that has both keeps
+    both, and the model is asked to take "label"); anything else as it is."""
+    if not isinstance(batch, Mapping) or LABEL not in batch or LABELS in batch:
+        return batch
+    return {LABELS if k == LABEL else k: v for k, v in batch.items()}
 
 
 def main_key(batch: Mapping[str, torch.Tensor]) -> str:
@@ -96,8 +105,8 @@ def widest_sample(dataset) -> Batch:
     i = dataset.longest() if hasattr(dataset, "longest") else 0
     if hasattr(dataset, "__getitems__"):
         one = dataset.__getitems__([i])
-        return {k: v[0] for k, v in one.items()} if isinstance(one, Mapping) else tuple(t[0] for t in one)
-    return dataset[i]
+        return with_labels({k: v[0] for k, v in one.items()}) if isinstance(one, Mapping) else tuple(t[0] for t in one)
+    return with_labels(dataset[i])
 
 
 def named_inputs(forward: Callable) -> tuple[str, ...]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from parallel_train.config.sections import Config, DataConfig
+from parallel_train.data.batch import with_labels
 from parallel_train.data.batch_sampler import GlobalBatchSampler
 from parallel_train.data.inputs import LOCAL_FORMATS, describe_folder, load_source, loading_error, resolve_inputs
 from parallel_train.data.permutation import SeededPermutation
@@ -181,9 +183,15 @@ class Data:
 
 
 def collate_fn(data: Data, dataset: Dataset) -> Callable:
-    if data.collate is not None:
-        return data.collate
-    return keep_batch if hasattr(dataset, "__getitems__") else default_collate
+    """The Data's collate, else the dataset's own batches (__getitems__), else torch's default_collate; a dict batch's
+    "label" named "labels" (data/batch.py's with_labels)."""
+    collate = data.collate or (keep_batch if hasattr(dataset, "__getitems__") else default_collate)
+    return partial(labelled, collate)
+
+
+def labelled(collate: Callable, samples: list) -> Any:
+    """collate(samples) with a dict's "label" named "labels" (a module function: a loader worker pickles it)."""
+    return with_labels(collate(samples))
 
 
 def vocab_size_for(tokenizer: Tokenizer, cfg: Config) -> int:

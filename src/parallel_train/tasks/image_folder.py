@@ -15,6 +15,7 @@ whether torchvision is installed or not, and a fixed draw for the validation sha
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -80,12 +81,15 @@ def split_images(root: Path) -> dict[str, list[Path]]:
 
     datasets.disable_progress_bars()
     try:
-        patterns = get_data_patterns(str(root))
-    except EmptyDatasetError:
-        raise UserError(f"data.path: {str(root)!r} holds no files; an imagefolder holds {LAYOUT}") from None
-    patterns = {str(split): p for split, p in patterns.items()}  # datasets' NamedSplit keys as plain names
-    files = {str(split): f for split, f in DataFilesDict.from_patterns(patterns, base_path=str(root)).items()}
+        patterns = {str(split): p for split, p in get_data_patterns(str(root)).items()}  # datasets' NamedSplit keys as plain names
+        files = {str(split): f for split, f in DataFilesDict.from_patterns(patterns, base_path=str(root)).items()}
+    except EmptyDatasetError:  # no file but through links, maybe
+        patterns, files = {"train": ["**"]}, {}
     depth = 2 if patterns == {"train": ["**"]} else 3  # no split folders: CLASS/IMAGE; else SPLIT/CLASS/IMAGE
+    for split, linked in linked_files(root, depth).items():
+        files[split] = [*files.get(split, []), *linked]
+    if not files:
+        raise UserError(f"data.path: {str(root)!r} holds no files; an imagefolder holds {LAYOUT}")
     if "train" not in files:
         raise UserError(f"data.path: {str(root)!r} has {', '.join(files)} folders but no train/; an imagefolder holds {LAYOUT}")
     extensions = set(ImageFolder.EXTENSIONS)
@@ -95,6 +99,20 @@ def split_images(root: Path) -> dict[str, list[Path]]:
     for image in (i for images in splits.values() for i in images):
         check_readable(image)
     return splits
+
+
+def linked_files(root: Path, depth: int) -> dict[str, list[str]]:
+    """{split: the files of its class folders that are symbolic links to folders}, which datasets' listing does not
+    enter; each file by its path through the link, so that its class is the link's name."""
+    from datasets.data_files import SPLIT_KEYWORDS
+
+    splits = {word: str(split) for split, words in SPLIT_KEYWORDS.items() for word in words}
+    found: dict[str, list[str]] = {}
+    for link in sorted(root.glob("*" if depth == 2 else "*/*")):
+        split = "train" if depth == 2 else splits.get(link.parent.name.lower())
+        if link.is_symlink() and link.is_dir() and split in ("train", "validation"):
+            found.setdefault(split, []).extend(str(f) for f in sorted(link.iterdir()) if f.is_file() and not f.name.startswith("."))
+    return found
 
 
 def class_images(root: Path, files: list[str], depth: int, extensions: set[str]) -> list[Path]:
@@ -128,8 +146,12 @@ def check_readable(image: Path) -> None:
     from PIL import Image
 
     try:
-        with Image.open(image):
-            pass
+        with warnings.catch_warnings():  # Pillow warns above Image.MAX_IMAGE_PIXELS, and refuses above twice that
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(image):
+                pass
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise UserError(f"data.path: {image} is more pixels than Pillow opens ({first_line(e)}); shrink it, or remove it") from None
     except OSError as e:  # PIL.UnidentifiedImageError is one
         raise unreadable(image, e) from None
 
