@@ -15,11 +15,12 @@ import pytest
 import yaml
 
 from helpers import TINY, check, free_port, launch_env, read_metrics, run, warm_cmd
+from parallel_train.checkpoint.writer import LISTING
 
 pytestmark = pytest.mark.multiprocess
 
 FEW = (*TINY, "train.max_steps=4", "train.lr_decay_steps=4", "eval.interval=2", "checkpoint.interval=2")
-RUN_FILES = {"checkpoints", "config.yaml", "metrics.jsonl", "metrics.png", "model.safetensors", "summary.json", "vocab.json"}
+RUN_FILES = {"checkpoints", "config.yaml", "metrics.jsonl", "metrics.png", "model.safetensors", "summary.json", "vocab.json", LISTING}
 
 
 def no_credentials_env(tmp_path: Path) -> dict[str, str]:
