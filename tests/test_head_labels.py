@@ -1,0 +1,136 @@
+"""A pretrained classifier's head keeps its class names (issue 34 item 2): fine-tuned on data with the same label
+names, each row of the head stays the row of its name, whatever order the data's names sort in; a name the head
+lacks gets a new row (the head grows, the new rows from transformers' own initialisation, named in one notice); a
+head of other names or of another number of unnamed rows (LABEL_0, ...) is refused in one line naming
+model.new_head=true, which starts a new head. In process: the data as a run reads it (tasks/), the model as a run
+starts it (on the meta device, then filled) and built whole, the export as the run writes it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import hf_tiny
+from parallel_train.config.load import load_config
+from parallel_train.errors import UserError
+from parallel_train.models.hf import HFModel
+from parallel_train.parallel.model_init import start_model
+from parallel_train.tasks.registry import TASKS
+
+transformers = pytest.importorskip("transformers")
+
+T = 16
+TASK = "sequence-classification"
+HEAD = hf_tiny.LABELS  # negative, positive, neutral: not in sorted order, so a re-sort moves rows to other names
+TEXTS = ("good day", "bad day", "a day")
+
+
+def classifier(folder: Path, labels: list[str] | None, tokenizer) -> Path:
+    """A tiny BERT classifier written by transformers, with its tokenizer: `labels` its id2label, None for
+    transformers' placeholders (LABEL_0, LABEL_1)."""
+    named = dict(num_labels=len(labels), id2label=dict(enumerate(labels)), label2id={n: i for i, n in enumerate(labels)}) if labels else {}
+    hf_tiny.save_task_model(hf_tiny.bert_config(**named), "AutoModelForSequenceClassification", folder)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "BertTokenizerFast", "pad_token": "[PAD]"}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    root, tokenizer = tmp_path_factory.mktemp("heads"), hf_tiny.bert_tokenizer(list(TEXTS), vocab_size=120)
+    return {"named": classifier(root / "named", HEAD, tokenizer), "unnamed": classifier(root / "unnamed", None, tokenizer)}
+
+
+def rows_of(tmp_path: Path, labels: list[str]) -> Path:
+    """train.jsonl and validation.jsonl whose labels are `labels`, in this order, twice over."""
+    for split in ("train", "validation"):
+        rows = [{"text": TEXTS[i % len(TEXTS)], "label": label} for i, label in enumerate(labels * 2)]
+        (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return tmp_path
+
+
+def run_of(folder: Path, data: Path, *more: str):
+    """(config, data, model) as a run starts them: the data read by the task, the model on the meta device, filled."""
+    cfg, _ = load_config(
+        ["model.name=hf", f"model.task={TASK}", f"model.hf_path={folder}", f"data.path={data}", f"model.block_size={T}", *more]
+    )
+    loaded = TASKS[TASK].load(cfg, None)
+    model, init = start_model(HFModel, cfg.model, loaded.vocab_size, 0, loaded.label_names)
+    init.fill(model, torch.device("cpu"))
+    return cfg, loaded, model.eval()
+
+
+def inputs() -> dict[str, torch.Tensor]:
+    ids = torch.randint(5, 20, (2, T), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def logits(model: HFModel) -> torch.Tensor:
+    with torch.no_grad():
+        return model(inputs()["input_ids"], attention_mask=inputs()["attention_mask"])
+
+
+def original(folder: Path) -> torch.Tensor:
+    with torch.no_grad():
+        return transformers.AutoModelForSequenceClassification.from_pretrained(folder).eval()(**inputs()).logits
+
+
+def test_a_head_fine_tuned_on_its_own_names_keeps_each_rows_name_and_its_logits(folders, tmp_path):
+    """The data's labels sort as negative, neutral, positive; the head's rows are negative, positive, neutral. Each
+    label id is its name's row, and the export (no update) names each row as before and gives the original logits."""
+    cfg, data, model = run_of(folders["named"], rows_of(tmp_path, ["positive", "neutral", "negative"]))
+    assert data.label_names == HEAD and model.new_weights == [] and model.notice is None
+    first = data.train_set.__getitems__([0, 1, 2])["labels"].tolist()
+    assert first == [HEAD.index("positive"), HEAD.index("neutral"), HEAD.index("negative")]
+    torch.testing.assert_close(logits(model), original(folders["named"]), rtol=0, atol=1e-6)
+    HFModel.export(cfg.model, model.state_dict(), tmp_path / "hf", data.vocab, label_names=data.label_names)
+    exported = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert exported["id2label"] == {str(i): name for i, name in enumerate(HEAD)}
+    torch.testing.assert_close(original(tmp_path / "hf"), original(folders["named"]), rtol=0, atol=1e-6)
+
+
+def test_a_name_the_head_lacks_gets_a_new_row_named_in_one_notice(folders, tmp_path):
+    """The head grows by one row: its rows keep their values and names, the new one starts from BERT's own rule,
+    the same on every start (meta start and a whole build alike); the notice names the new label."""
+    cfg, data, model = run_of(folders["named"], rows_of(tmp_path, ["neutral", "mixed", "negative", "positive"]))
+    assert data.label_names == [*HEAD, "mixed"] and model.new_weights == []
+    assert model.notice.startswith("notice:") and "\n" not in model.notice and "'mixed'" in model.notice
+    files = load_file(str(folders["named"] / "model.safetensors"))
+    weight, bias = model.hf.classifier.weight, model.hf.classifier.bias
+    assert (
+        weight.shape == (4, 32) and torch.equal(weight[:3], files["classifier.weight"]) and torch.equal(bias[:3], files["classifier.bias"])
+    )
+    assert 0.005 < weight[3].std().item() < 0.05 and bias[3].item() == 0  # BERT's rule: normal(0, 0.02), zero bias
+    assert torch.equal(run_of(folders["named"], tmp_path)[2].hf.classifier.weight, weight)
+    whole = HFModel(cfg.model, data.vocab_size, data.label_names)
+    assert torch.equal(whole.hf.classifier.weight[:3], files["classifier.weight"]) and whole.notice == model.notice
+    torch.testing.assert_close(logits(model)[:, :3], original(folders["named"]), rtol=0, atol=1e-6)
+
+
+def test_a_head_of_other_names_is_refused_unless_model_new_head(folders, tmp_path):
+    data = rows_of(tmp_path, ["yes", "no"])
+    with pytest.raises(UserError, match=r"model.new_head=true") as e:
+        run_of(folders["named"], data)
+    assert "\n" not in str(e.value) and "negative" in str(e.value)
+    _, loaded, model = run_of(folders["named"], data, "model.new_head=true")
+    assert loaded.label_names == ["no", "yes"] and model.hf.classifier.weight.shape == (2, 32)
+    assert model.new_weights == ["classifier.weight", "classifier.bias"] and "model.new_head=true" in model.notice
+    _, loaded, model = run_of(folders["named"], rows_of(tmp_path, ["positive", "negative"]), "model.new_head=true")
+    assert loaded.label_names == ["negative", "positive"] and model.new_weights == ["classifier.weight", "classifier.bias"]
+
+
+def test_a_head_without_names_takes_the_datas_in_order_when_the_count_matches(folders, tmp_path):
+    """transformers' placeholders (LABEL_0, LABEL_1) name no class: the data's two names take the rows in their
+    sorted order, which a notice says; three names are a head of another size: refused unless model.new_head."""
+    _, data, model = run_of(folders["unnamed"], rows_of(tmp_path, ["yes", "no"]))
+    assert data.label_names == ["no", "yes"] and model.new_weights == []
+    assert "LABEL_0" in model.notice and "'no'" in model.notice and "\n" not in model.notice
+    torch.testing.assert_close(logits(model), original(folders["unnamed"]), rtol=0, atol=1e-6)
+    with pytest.raises(UserError, match=r"model.new_head=true"):
+        run_of(folders["unnamed"], rows_of(tmp_path, ["a", "b", "c"]))
+    _, data, model = run_of(folders["unnamed"], rows_of(tmp_path, ["a", "b", "c"]), "model.new_head=true")
+    assert data.label_names == ["a", "b", "c"] and model.hf.classifier.weight.shape == (3, 32)
