@@ -129,6 +129,11 @@ class HFModel(nn.Module):
             hf.lm_head.weight = nn.Parameter(hf.lm_head.weight.detach().clone())
             hf.config.get_text_config().tie_word_embeddings = False
         checkpointing = Checkpointing(cfg.activation_checkpointing, cfg.selective_ac)
+        if checkpointing.mode != "none" and not hf.supports_gradient_checkpointing:
+            raise UserError(
+                f"model.activation_checkpointing={checkpointing.mode}: transformers cannot checkpoint the layers of "
+                f"{type(hf).__name__} ({config.model_type}); set model.activation_checkpointing=none"
+            )
         if checkpointing.mode != "none":  # transformers checkpoints each decoder layer's forward (FSDP2's hooks stay outside)
             hf.activation_checkpointing_enable(
                 activation_checkpointing_kwargs=checkpointing.kwargs(), every_n_layers=checkpointing.every_n_layers()
