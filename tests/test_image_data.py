@@ -1,6 +1,7 @@
 """Image classification data (model.task=image-classification, tasks/image_folder.py): an imagefolder of tiny PNGs
 through a tiny ViT image processor. Batches, class ids and names, both layouts, the same pixels on every topology
-and after a resume, the classes kept across a resume, and every bad folder as one line."""
+and after a resume, the classes kept across a resume, and every bad folder as one line. The cv_example recipe as
+written on a tiny ResNet (its family) through the real Trainer, and a ResNet's keys it cannot take as one line each."""
 
 from __future__ import annotations
 
