@@ -134,3 +134,42 @@ def test_a_head_without_names_takes_the_datas_in_order_when_the_count_matches(fo
         run_of(folders["unnamed"], rows_of(tmp_path, ["a", "b", "c"]))
     _, data, model = run_of(folders["unnamed"], rows_of(tmp_path, ["a", "b", "c"]), "model.new_head=true")
     assert data.label_names == ["a", "b", "c"] and model.hf.classifier.weight.shape == (3, 32)
+
+
+def test_a_tagger_and_an_image_classifier_keep_their_heads_names_too(folders, tmp_path):
+    """run_ner's tags (O, B-PER, B-LOC, sorted B-LOC, B-PER, O) on a tagger of those tags, and an imagefolder
+    (bird, cat, dog) on a ResNet whose head names dog and cat: each head's names first, in its rows' order; the
+    ResNet's grows a row for bird."""
+    from PIL import Image
+
+    tags = ["O", "B-PER", "B-LOC"]
+    named = dict(num_labels=3, id2label=dict(enumerate(tags)), label2id={n: i for i, n in enumerate(tags)})
+    tagger = hf_tiny.save_task_model(hf_tiny.bert_config(**named), "AutoModelForTokenClassification", tmp_path / "tagger")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tagger / name).write_bytes((folders["named"] / name).read_bytes())
+    for split in ("train", "validation"):
+        rows = [{"tokens": ["good", "day", "a"], "ner_tags": ["B-PER", "O", "B-LOC"]}] * 4
+        (tmp_path / "conll" / split).mkdir(parents=True)
+        (tmp_path / "conll" / split / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg, _ = load_config(["model.name=hf", "model.task=token-classification", f"model.hf_path={tagger}", f"data.path={tmp_path / 'conll'}"])
+    data = TASKS["token-classification"].load(cfg, None)
+    assert data.label_names == tags and [t for t in data.train_set.__getitems__([0])["labels"][0].tolist() if t >= 0] == [1, 0, 2]
+    model, init = start_model(HFModel, cfg.model, data.vocab_size, 0, data.label_names)
+    init.fill(model, torch.device("cpu"))
+    assert model.new_weights == [] and torch.equal(
+        model.hf.classifier.weight, load_file(str(tagger / "model.safetensors"))["classifier.weight"]
+    )
+
+    pets = dict(num_labels=2, id2label={0: "dog", 1: "cat"}, label2id={"dog": 0, "cat": 1})
+    resnet = hf_tiny.save_task_model(hf_tiny.resnet_config(**pets), "AutoModelForImageClassification", tmp_path / "resnet")
+    for name in ("bird", "cat", "dog"):
+        (tmp_path / "pets" / name).mkdir(parents=True)
+        for i in range(2):
+            Image.new("RGB", (8, 8), (40 * i, 0, 0)).save(tmp_path / "pets" / name / f"{i}.png")
+    keys = ["model.name=hf", "model.task=image-classification", f"model.hf_path={resnet}", "model.attn_implementation=eager"]
+    cfg, _ = load_config([*keys, f"data.path={tmp_path / 'pets'}", "data.val_fraction=0.5"])
+    data = TASKS["image-classification"].load(cfg, None)
+    assert data.label_names == ["dog", "cat", "bird"]
+    model = HFModel(cfg.model, 0, data.label_names)
+    assert model.grown_weights == {"classifier.1.weight": 2, "classifier.1.bias": 2} and "'bird'" in model.notice
+    assert torch.equal(model.hf.classifier[1].weight[:2], load_file(str(resnet / "model.safetensors"))["classifier.1.weight"])

@@ -196,7 +196,7 @@ def test_each_recipe_runs_on_a_stand_in_of_its_own_model_family(made):
     assert set(recipes) == set(FAMILIES), recipes
     for name, path in recipes.items():
         assert Path(path).name.startswith(f"{FAMILIES[name]}-"), (name, path)
-        if FAMILIES[name] in made:
+        if name != "cv_example":  # its ResNet: tests/test_image_data.py
             assert json.loads((made[FAMILIES[name]] / "config.json").read_text())["model_type"] == FAMILIES[name]
 
 
