@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 import hf_tiny
+from helpers import check, launch_env, run, warm_cmd
 from parallel_train.config.load import load_config
 from parallel_train.errors import UserError
 from parallel_train.models.hf import HFModel
@@ -173,3 +174,36 @@ def test_a_tagger_and_an_image_classifier_keep_their_heads_names_too(folders, tm
     model = HFModel(cfg.model, 0, data.label_names)
     assert model.grown_weights == {"classifier.1.weight": 2, "classifier.1.bias": 2} and "'bird'" in model.notice
     assert torch.equal(model.hf.classifier[1].weight[:2], load_file(str(resnet / "model.safetensors"))["classifier.1.weight"])
+
+
+@pytest.mark.slow
+def test_a_run_that_learns_nothing_exports_the_head_as_it_was(folders, tmp_path):
+    """The user's case through train.py: one step at a learning rate of 1e-30 (below any float32 weight's last bit) on data whose names sort otherwise than the head's
+    rows; hf/ names each row as the folder did and gives the folder's logits; label_names.json is the head's order."""
+    (tmp_path / "data").mkdir()
+    data = rows_of(tmp_path / "data", ["positive", "neutral", "negative"])
+    out = tmp_path / "run"
+    keys = (
+        f"model.hf_path={folders['named']}",
+        f"data.path={data}",
+        f"model.block_size={T}",
+        "train.learning_rate=1e-30",
+        "train.min_lr=0",
+    )
+    steps = (
+        "train.max_steps=1",
+        "train.warmup_steps=0",
+        "train.lr_decay_steps=1",
+        "eval.interval=1",
+        "eval.iters=1",
+        "checkpoint.interval=1",
+    )
+    check(
+        run(
+            warm_cmd(1, "model.name=hf", f"model.task={TASK}", *keys, *steps, "train.batch_size=2", "tracker=none", f"output_dir={out}"),
+            env=launch_env(tmp_path),
+        )
+    )
+    assert json.loads((out / "label_names.json").read_text()) == HEAD
+    assert json.loads((out / "hf" / "config.json").read_text())["id2label"] == {str(i): name for i, name in enumerate(HEAD)}
+    torch.testing.assert_close(original(out / "hf"), original(folders["named"]), rtol=0, atol=1e-6)

@@ -62,7 +62,8 @@ class HFConfig(ModelConfig):
     )
     attn_implementation: str = opt(
         "sdpa",
-        "transformers attention kernel (packed samples kept apart by each: flash_attention_2 and flex_attention on GPUs)",
+        "transformers attention kernel (packed samples kept apart by each: flash_attention_2 and flex_attention on GPUs); "
+        "eager for a model without sdpa (a ResNet)",
         choices=("sdpa", "eager", "flash_attention_2", "flex_attention"),
     )
     untie_embeddings: bool = opt(False, "give lm_head its own copy of a tied input embedding (trained apart, exported untied)")
