@@ -10,10 +10,11 @@ the template's model contract:
 - `forward(x, positions=None, **inputs) -> logits`: x is the task's main input (input_ids, pixel_values), `inputs`
   the batch's others (attention_mask, token_type_ids, decoder_input_ids, ...), so the task's loss, metrics and the
   sampler apply unchanged;
-- a pretrained body given a new head (a classifier the folder lacks, or one of another number of labels), as
-  transformers fine-tunes: the head starts from transformers' own initialisation, named in one notice line
-  (`notice`); weights of the folder the task's model lacks (a masked-LM head) are ignored. Class names
-  (Data.label_names) set num_labels, id2label and label2id before it is built;
+- a pretrained body given a new head (a classifier the folder lacks), as transformers fine-tunes: the head starts
+  from transformers' own initialisation, named in one notice line (`notice`); weights of the folder the task's model
+  lacks (a masked-LM head) are ignored. Class names (Data.label_names) set num_labels, id2label and label2id before it
+  is built; a head the folder holds keeps each row's name, grows rows for new names, or starts anew with
+  model.new_head=true (hf_head.py);
 - parameter names are the transformers model's own (`model.layers.0.self_attn.q_proj.weight`): the adapter
   registers the model's children under their own names, so checkpoints hold a Hugging Face state dict and the
   export (`output_dir/hf/`, hf_export.py) is a save without renaming;
@@ -224,8 +225,8 @@ class HFModel(nn.Module):
         if others:
             names = ", ".join(others[:4]) + (f" and {len(others) - 4} more" if len(others) > 4 else "")
             notices.append(
-                f"notice: {what} gives no weights for {names} (a new model.task={self.task} head on its pretrained body, or a head of "
-                "another number of labels): they start from transformers' own initialisation, as from_pretrained gives them"
+                f"notice: {what} gives no weights for {names} (a new model.task={self.task} head on its pretrained body): they "
+                "start from transformers' own initialisation, as from_pretrained gives them"
             )
         return fresh, grown, "; ".join(notices) or None
 
