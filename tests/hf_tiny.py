@@ -203,8 +203,28 @@ def vit_config(**overrides):
     return ViTConfig(**{**settings, **overrides})
 
 
+def resnet_config(**overrides):
+    """A ResNet (image classification, cv_example's family: a CNN, no attention) of two basic stages, 8 and 16 wide."""
+    from transformers import ResNetConfig
+
+    settings = dict(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic")
+    return ResNetConfig(**{**settings, **overrides})
+
+
+def roberta_config(**overrides):
+    """A RoBERTa (masked LM, mlm_example's family), padding id 0 as the WordPiece tokenizer above has it; dropout off."""
+    from transformers import RobertaConfig
+
+    settings = dict(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, max_position_embeddings=80,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0,
+    )  # fmt: skip
+    return RobertaConfig(**{**settings, **overrides})
+
+
 def save_task_model(config, auto_class: str, folder: Path, tokenizer=None, seed: int = 0) -> Path:
-    """A randomly initialised `auto_class` model of `config` saved as a model folder (a ViT's with its image processor)."""
+    """A randomly initialised `auto_class` model of `config` saved as a model folder (an image model's with its image
+    processor: a ViT's resizes to 16 x 16, a ResNet's as microsoft/resnet-50's, shortest edge then a centre crop of 16)."""
     import transformers
 
     torch.manual_seed(seed)
@@ -213,6 +233,8 @@ def save_task_model(config, auto_class: str, folder: Path, tokenizer=None, seed:
         tokenizer.save_pretrained(folder)
     if config.model_type == "vit":
         transformers.ViTImageProcessor(size={"height": 16, "width": 16}).save_pretrained(folder)
+    if config.model_type == "resnet":
+        transformers.ConvNextImageProcessorPil(size={"shortest_edge": 16}, crop_pct=0.875).save_pretrained(folder)
     return folder
 
 

@@ -39,9 +39,9 @@ def folders(tmp_path_factory):
     return hf_tiny.make_task_models(tmp_path_factory.mktemp("hf_task_models"))
 
 
-def started(folder, task: str, labels=None) -> HFModel:
+def started(folder, task: str, labels=None, **keys) -> HFModel:
     """The model as a run starts it: on the meta device, then filled (parallel/model_init.py)."""
-    model, init = start_model(HFModel, HFConfig(name="hf", hf_path=str(folder), block_size=T, task=task), hf_tiny.VOCAB, 0, labels)
+    model, init = start_model(HFModel, HFConfig(name="hf", hf_path=str(folder), block_size=T, task=task, **keys), hf_tiny.VOCAB, 0, labels)
     init.fill(model, torch.device("cpu"))
     return model.eval()
 
@@ -90,8 +90,8 @@ def test_each_task_equals_transformers_own_model_on_a_padded_batch(folders, task
 
 def test_a_pretrained_body_gets_a_new_head_with_a_notice(folders, tmp_path):
     """A masked-LM BERT fine-tuned as a classifier: its body is the folder's, the classifier (and the pooler the MLM
-    lacks) start from transformers' initialisation; its MLM head is ignored. A classifier of 3 labels given 2: a new
-    head of 2. A bare BertModel's weights (saved without the classifier's `bert.` prefix) are its body."""
+    lacks) start from transformers' initialisation; its MLM head is ignored. A classifier of 3 labels given 2 others: a
+    new head of 2 with model.new_head=true (refused without it: tests/test_head_labels.py). A bare BertModel's weights (saved without the classifier's `bert.` prefix) are its body."""
     model = started(folders["bert"], "sequence-classification", ["no", "yes"])
     assert model.new_weights == ["bert.pooler.dense.weight", "bert.pooler.dense.bias", "classifier.weight", "classifier.bias"]
     assert "classifier.weight" in model.notice and model.notice.startswith("notice:") and "\n" not in model.notice
@@ -100,7 +100,7 @@ def test_a_pretrained_body_gets_a_new_head_with_a_notice(folders, tmp_path):
     assert torch.equal(model.hf.bert.embeddings.word_embeddings.weight, files["bert.embeddings.word_embeddings.weight"])
     std = model.hf.classifier.weight.std().item()  # BERT's rule: normal(0, initializer_range 0.02)
     assert 0.01 < std < 0.03 and torch.count_nonzero(model.hf.classifier.bias) == 0
-    resized = started(folders["bert-classifier"], "sequence-classification", ["no", "yes"])
+    resized = started(folders["bert-classifier"], "sequence-classification", ["no", "yes"], new_head=True)
     assert resized.new_weights == ["classifier.weight", "classifier.bias"] and resized.hf.classifier.weight.shape == (2, 32)
     body = hf_tiny.save_task_model(hf_tiny.bert_config(), "AutoModel", tmp_path / "bert_model")  # a BertModel: no "bert." prefix
     from_body = started(body, "sequence-classification", ["no", "yes"])

@@ -1,6 +1,7 @@
 """Image classification data (model.task=image-classification, tasks/image_folder.py): an imagefolder of tiny PNGs
 through a tiny ViT image processor. Batches, class ids and names, both layouts, the same pixels on every topology
-and after a resume, the classes kept across a resume, and every bad folder as one line."""
+and after a resume, the classes kept across a resume, and every bad folder as one line. The cv_example recipe as
+written on a tiny ResNet (its family) through the real Trainer, and a ResNet's keys it cannot take as one line each."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from helpers import REPO, WarmCmd, launch_env, run, snapshot, train_losses
 from parallel_train.config.load import load_config
 from parallel_train.data.text import train_loader, val_loader
 from parallel_train.errors import UserError
-from parallel_train.models.hf import HFConfig
+from parallel_train.models.hf import HFConfig, HFModel
 from parallel_train.run.resume_config import check_same_files
 from parallel_train.tasks.label_names import LABELS_FILE as FILE
 from parallel_train.tasks.registry import TASKS
@@ -37,6 +38,15 @@ def make_images(folder, classes=tuple(COLOURS), per_class=4) -> None:
 def processor(tmp_path_factory):
     """A tiny ViT classifier's model folder (tests/hf_tiny.py) with its image processor (16 x 16)."""
     return hf_tiny.save_task_model(hf_tiny.vit_config(), "AutoModelForImageClassification", tmp_path_factory.mktemp("vit"))
+
+
+@pytest.fixture(scope="module")
+def resnet(tmp_path_factory):
+    """cv_example's family, tiny: a ResNet classifier (tests/hf_tiny.py) whose head names two ImageNet classes, as
+    microsoft/resnet-50's names its 1,000, with its image processor (a centre crop of 16 x 16)."""
+    names = ["tench", "goldfish"]
+    head = dict(num_labels=2, id2label=dict(enumerate(names)), label2id={n: i for i, n in enumerate(names)})
+    return hf_tiny.save_task_model(hf_tiny.resnet_config(**head), "AutoModelForImageClassification", tmp_path_factory.mktemp("resnet"))
 
 
 def config(folder, processor, *more: str):
@@ -119,23 +129,41 @@ def test_a_resume_on_other_classes_is_refused(tmp_path, processor):
         check_same_files(checkpoint, load(tmp_path / "pets", processor).files)
 
 
+def test_a_resnet_names_the_attention_and_checkpointing_keys_it_cannot_take_in_one_line(resnet):
+    """transformers has no sdpa attention (the default) and no activation checkpointing for a ResNet: each is one line
+    naming the key and the value it takes (cv_example sets model.attn_implementation=eager)."""
+    keys = dict(name="hf", hf_path=str(resnet), task="image-classification")
+    with pytest.raises(UserError, match=r"^model.attn_implementation=sdpa: .*ResNet.*; set model.attn_implementation=eager$") as e:
+        HFModel(HFConfig(**keys), 0)
+    assert "\n" not in str(e.value)
+    with pytest.raises(UserError, match=r"^model.activation_checkpointing=full: .*ResNet.*model.activation_checkpointing=none") as e:
+        HFModel(HFConfig(**keys, attn_implementation="eager", activation_checkpointing="full"), 0)
+    assert "\n" not in str(e.value)
+    assert HFModel(HFConfig(**keys, attn_implementation="eager"), 0).hf.config.model_type == "resnet"
+
+
 @pytest.mark.multiprocess
-def test_the_cv_example_recipe_trains_alike_on_one_and_two_processes_and_keeps_its_classes(tmp_path, processor):
-    """configs/cv_example.yaml, tiny (a tiny ViT, model.name=hf) through the real Trainer: one process == two (DDP), no
-    tokenizer to save, the class names saved with the run and every checkpoint; a resume on other classes is one line
-    and leaves the run as it was."""
+def test_the_cv_example_recipe_trains_alike_on_one_and_two_processes_and_keeps_its_classes(tmp_path, resnet):
+    """configs/cv_example.yaml as written, tiny (a tiny ResNet, its family: model.name=hf, a new head for the pets as
+    the recipe's on ImageNet's classes) through the real Trainer: one process == two (DDP), no tokenizer to save, the
+    class names saved with the run and every checkpoint; a resume on other classes is one line and leaves the run as
+    it was."""
     make_images(tmp_path / "pets")
-    args = ["--config", "configs/cv_example.yaml", f"model.hf_path={processor}", f"data.path={tmp_path / 'pets'}"]
+    args = ["--config", "configs/cv_example.yaml", f"model.hf_path={resnet}", f"data.path={tmp_path / 'pets'}"]
     args += ["data.num_workers=0", "train.max_steps=2", "train.warmup_steps=1", "train.lr_decay_steps=2", "train.log_interval=1"]
     args += ["eval.interval=2", "eval.iters=1", "eval.batch_size=4", "checkpoint.interval=2", "tracker=none"]
     env, one, two = launch_env(tmp_path), tmp_path / "one", tmp_path / "two"
-    runs = [(1, one, "train.batch_size=4"), (2, two, "train.batch_size=2")]
+    # Micro-batches of 2 on both: a ResNet's batch norm normalises each micro-batch by its own statistics, so one
+    # process accumulating two of 2 is what two processes of 2 are (one of 4 is not); DDP shares no statistics.
+    runs = [(1, one, "train.batch_size=2 train.gradient_accumulation_steps=2"), (2, two, "train.batch_size=2")]
     for nproc, out, batch in runs:
-        result = run(WarmCmd(nproc, "train.py", (*args, batch, f"output_dir={out}")), env=env, timeout=120)
+        result = run(WarmCmd(nproc, "train.py", (*args, *batch.split(), f"output_dir={out}")), env=env, timeout=120)
         assert result.returncode == 0, result.output[-3000:]
     assert list(train_losses(one)) == [1, 2]
     assert train_losses(one) == pytest.approx(train_losses(two), abs=1e-5)
     assert json.loads((one / FILE).read_text()) == ["bird", "cat", "dog"]
+    exported = json.loads((one / "hf" / "config.json").read_text())  # a new head of the pets' classes (model.new_head)
+    assert exported["architectures"] == ["ResNetForImageClassification"] and exported["id2label"] == {"0": "bird", "1": "cat", "2": "dog"}
     assert (one / "checkpoints" / "step_0000002" / FILE).is_file() and not (one / "vocab.json").exists()
     shutil.copytree(tmp_path / "pets", tmp_path / "more")
     make_images(tmp_path / "more", classes=("fish",))

@@ -1,7 +1,8 @@
 """The recipes of docs/guide.md section 5 (configs/nlp_example.yaml, ner_example.yaml, mlm_example.yaml), each run as
-written with only its paths and sizes overridden: a tiny BERT and T5 (tests/hf_tiny.py, dropout 0) on tiny files in
-run_glue, run_ner, run_mlm and run_translation layouts, written here and made learnable so that a few dozen steps
-beat chance clearly. One launch per layout per recipe (the warm launcher).
+written with only its paths and sizes overridden, on a tiny stand-in of its own model family (tests/hf_tiny.py,
+dropout 0: a BERT for nlp_example and ner_example, a RoBERTa for mlm_example, a T5 for seq2seq; cv_example's ResNet
+is tests/test_image_data.py's) on tiny files in run_glue, run_ner, run_mlm and run_translation layouts, written here
+and made learnable so that a few dozen steps beat chance clearly. One launch per layout per recipe (the warm launcher).
 
 - nlp_example (accelerate's examples/nlp_example.py): 1 process == DDP 2 == FSDP2 2 within 1e-5, above chance; its
   hf/ scores the validation file as the run reported; the port is the config alone, at most 60 lines.
@@ -28,6 +29,9 @@ pytestmark = pytest.mark.multiprocess
 WORDS = "the you to and he no of be in that we for your with him it my is as his men have go me they are our first all".split()
 PEOPLE, PLACES = ("brutus", "marcius", "juliet"), ("rome", "verona", "mantua")  # the NER fixture's fixed map of words to tags
 STEPS = 48
+# Each recipe of configs/ and the model family of its model.hf_path, whose tiny stand-in runs it (the fixture below;
+# cv_example's in tests/test_image_data.py).
+FAMILIES = {"nlp_example": "bert", "ner_example": "bert", "mlm_example": "roberta", "cv_example": "resnet"}
 LAYOUTS = {  # the same global batch of 16 on each
     "one": (1, ("train.batch_size=16",)),
     "ddp": (2, ("train.batch_size=8",)),
@@ -64,12 +68,14 @@ def ner_row(rng: random.Random) -> dict:
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory) -> dict[str, Path]:
-    """Model folders (a masked-LM BERT, a T5, each with a BERT WordPiece tokenizer) and the recipes' data folders."""
+    """Model folders (a masked-LM BERT and RoBERTa, a T5, each with a BERT WordPiece tokenizer) and the recipes' data
+    folders."""
     root = tmp_path_factory.mktemp("recipes")
     tok = hf_tiny.bert_tokenizer(vocab_size=hf_tiny.VOCAB)  # as many ids as the models' embeddings
     specials = {"mask_token": "[MASK]", "pad_token": "[PAD]", "cls_token": "[CLS]", "sep_token": "[SEP]", "unk_token": "[UNK]"}
     folders = {
         "bert": hf_tiny.save_task_model(hf_tiny.bert_config(), "AutoModelForMaskedLM", root / "bert"),
+        "roberta": hf_tiny.save_task_model(hf_tiny.roberta_config(), "AutoModelForMaskedLM", root / "roberta"),
         "t5": hf_tiny.save_task_model(hf_tiny.t5_config(), "AutoModelForSeq2SeqLM", root / "t5"),
     }
     for folder in folders.values():
@@ -168,7 +174,7 @@ def test_the_memory_estimator_reads_each_recipes_dict_batches(made):
     for config, model, data in (
         ("nlp_example", "bert", "mrpc"),
         ("ner_example", "bert", "conll"),
-        ("mlm_example", "bert", "wikitext"),
+        ("mlm_example", "roberta", "wikitext"),
         ("seq2seq", "t5", "wmt"),
     ):
         cfg, _ = load_config(list(tiny(config, made[model], made[data], 8, 1e-3)))
@@ -178,6 +184,20 @@ def test_the_memory_estimator_reads_each_recipes_dict_batches(made):
             data = load_task_data(cfg, task_of(cfg), None)
             model = HFModel(cfg.model, data.vocab_size, label_names=data.label_names)
             assert len(data.label_names) > 2 and total == sum(p.numel() for p in model.parameters())
+
+
+def test_each_recipe_runs_on_a_stand_in_of_its_own_model_family(made):
+    """Every configs/ recipe of model.name=hf is in FAMILIES, whose family is the one its model.hf_path names
+    (models/roberta-base: a RoBERTa), and the stand-in its test runs is of that family."""
+    import yaml
+
+    recipes = {p.stem: yaml.safe_load(p.read_text())["model"] for p in (REPO / "configs").glob("*.yaml")}
+    recipes = {name: model["hf_path"] for name, model in recipes.items() if model.get("name") == "hf"}
+    assert set(recipes) == set(FAMILIES), recipes
+    for name, path in recipes.items():
+        assert Path(path).name.startswith(f"{FAMILIES[name]}-"), (name, path)
+        if name != "cv_example":  # its ResNet: tests/test_image_data.py
+            assert json.loads((made[FAMILIES[name]] / "config.json").read_text())["model_type"] == FAMILIES[name]
 
 
 def test_the_nlp_example_port_is_a_config_of_at_most_60_lines():
@@ -220,13 +240,13 @@ def test_token_classification_export_reloads_with_its_tag_names(made, ner_runs):
 # seq2seq is slow: a second launch pair of the path the masked LM's default test runs (tests/test_hf_tasks.py trains
 # and exports seq2seq on one process in the default suite).
 @pytest.mark.parametrize(
-    "recipe, model, data", [("mlm_example", "bert", "wikitext"), pytest.param("seq2seq", "t5", "wmt", marks=pytest.mark.slow)]
+    "recipe, model, data", [("mlm_example", "roberta", "wikitext"), pytest.param("seq2seq", "t5", "wmt", marks=pytest.mark.slow)]
 )
 def test_masked_lm_and_seq2seq_train_and_export_alike_on_one_and_two_processes(made, tmp_path_factory, recipe, model, data):
     args = tiny(recipe, made[model], made[data], 8, 1e-3)
     runs = launch_layouts(made, tmp_path_factory, recipe, args, {k: LAYOUTS[k] for k in ("one", "ddp")})
     assert_layouts_equal(runs, ("val_loss",))
-    auto = "AutoModelForMaskedLM" if model == "bert" else "AutoModelForSeq2SeqLM"
+    auto = "AutoModelForMaskedLM" if model == "roberta" else "AutoModelForSeq2SeqLM"
     for out, _ in runs.values():
         assert len(train_losses(out)) == 2 and getattr(transformers, auto).from_pretrained(out / "hf") is not None
         assert [r for r in read_metrics(out) if r["kind"] == "eval"]

@@ -48,6 +48,7 @@ CASES = {
     "data.synthetic_padding": ("true", ["data.path=random", "model.name=mlp"], ["data.path=synthetic"]),
     "data.verify": ("full", [], [PREPARED]),
     "model.vocab_size": ("512", HF, []),
+    "model.new_head": ("true", HF, [*HF, "model.task=token-classification"]),
     "model.lora_alpha": ("8", HF, [*HF, "model.lora_rank=4"]),
     "model.lora_dropout": ("0.1", HF, [*HF, "model.lora_rank=4"]),
     "model.lora_targets": ("[q_proj]", HF, [*HF, "model.lora_rank=4"]),

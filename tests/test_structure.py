@@ -166,7 +166,8 @@ def test_every_task_name_has_its_module_in_the_registry():
     """model.task's choices (tasks/task.py) and the registry (tasks/registry.py) name the same tasks, and the models'
     table of Auto classes (tasks/task.py AUTO_CLASSES) says what each task module says."""
     from parallel_train.tasks.registry import TASKS
-    from parallel_train.tasks.task import AUTO_CLASSES, TASK_NAMES
+    from parallel_train.tasks.task import AUTO_CLASSES, LABELLED, TASK_NAMES
 
     assert tuple(TASKS) == TASK_NAMES
     assert AUTO_CLASSES == {name: task.auto_class for name, task in TASKS.items()}
+    assert LABELLED == tuple(name for name, task in TASKS.items() if task.has_labels)

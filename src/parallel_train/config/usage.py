@@ -18,6 +18,7 @@ from typing import Any
 
 from parallel_train.config.fields import fields_of
 from parallel_train.errors import UserError
+from parallel_train.tasks.task import LABELLED
 
 SAMPLES = "data.format=chat or instruction"
 DECAYING = "train.lr_schedule=cosine, linear or wsd"
@@ -146,6 +147,11 @@ ROWS: tuple[Row, ...] = (
         "model.vocab_size",
         "model.name=gpt, or data.path=synthetic (model.name=hf: the embedding is its config.json's)",
         lambda c: c.model.name not in ("hf", "mlp") or c.data.path == "synthetic",
+    ),
+    Row(
+        "model.new_head",
+        "model.hf_pretrained=true and model.task=sequence-classification, token-classification or image-classification",
+        lambda c: getattr(c.model, "hf_pretrained", False) and c.model.task in LABELLED,
     ),
     Row("model.lora_alpha", "model.lora_rank > 0", _lora, refuse=FULL_FINE_TUNE),
     Row("model.lora_dropout", "model.lora_rank > 0", _lora, refuse=FULL_FINE_TUNE),

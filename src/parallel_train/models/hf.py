@@ -10,10 +10,11 @@ the template's model contract:
 - `forward(x, positions=None, **inputs) -> logits`: x is the task's main input (input_ids, pixel_values), `inputs`
   the batch's others (attention_mask, token_type_ids, decoder_input_ids, ...), so the task's loss, metrics and the
   sampler apply unchanged;
-- a pretrained body given a new head (a classifier the folder lacks, or one of another number of labels), as
-  transformers fine-tunes: the head starts from transformers' own initialisation, named in one notice line
-  (`notice`); weights of the folder the task's model lacks (a masked-LM head) are ignored. Class names
-  (Data.label_names) set num_labels, id2label and label2id before it is built;
+- a pretrained body given a new head (a classifier the folder lacks), as transformers fine-tunes: the head starts
+  from transformers' own initialisation, named in one notice line (`notice`); weights of the folder the task's model
+  lacks (a masked-LM head) are ignored. Class names (Data.label_names) set num_labels, id2label and label2id before it
+  is built; a head the folder holds keeps each row's name, grows rows for new names, or starts anew with
+  model.new_head=true (hf_head.py);
 - parameter names are the transformers model's own (`model.layers.0.self_attn.q_proj.weight`): the adapter
   registers the model's children under their own names, so checkpoints hold a Hugging Face state dict and the
   export (`output_dir/hf/`, hf_export.py) is a save without renaming;
@@ -45,10 +46,10 @@ from torch import nn
 from parallel_train.config.fields import check, opt
 from parallel_train.config.model import ModelConfig
 from parallel_train.errors import UserError
-from parallel_train.models import hf_export, hf_init, hf_layouts, hf_loading, hf_lora, hf_tensor_parallel
+from parallel_train.models import hf_export, hf_head, hf_init, hf_layouts, hf_loading, hf_lora, hf_tensor_parallel
 from parallel_train.models.activation_checkpoint import Checkpointing, check_option, mode_field, option_field
 from parallel_train.models.ties import find_ties, with_aliases
-from parallel_train.tasks.task import DEFAULT, TASK_NAMES
+from parallel_train.tasks.task import DEFAULT, LABELLED, TASK_NAMES
 
 
 @dataclass
@@ -62,10 +63,14 @@ class HFConfig(ModelConfig):
     )
     attn_implementation: str = opt(
         "sdpa",
-        "transformers attention kernel (packed samples kept apart by each: flash_attention_2 and flex_attention on GPUs)",
+        "transformers attention kernel (packed samples kept apart by each: flash_attention_2 and flex_attention on GPUs); "
+        "eager for a model without sdpa (a ResNet)",
         choices=("sdpa", "eager", "flash_attention_2", "flex_attention"),
     )
     untie_embeddings: bool = opt(False, "give lm_head its own copy of a tied input embedding (trained apart, exported untied)")
+    new_head: bool = opt(
+        False, "a classifier: start its head anew with the data's class names; false: its rows keep their names (hf_head.py)"
+    )
     activation_checkpointing: str = mode_field()  # none | full | selective, per decoder layer (models/activation_checkpoint.py)
     selective_ac: str = option_field()
     lora_rank: int = opt(0, "LoRA (peft): 0 trains every weight; R > 0 freezes them and trains rank-R adapters", min=0, max=65536)
@@ -93,6 +98,10 @@ class HFConfig(ModelConfig):
             "model.lora_rank: LoRA adapts pretrained weights, which checkpoints do not hold; keep model.hf_pretrained=true",
         )
 
+    def head_label_names(self) -> list[str] | None:
+        """The class names of the pretrained head this run keeps, which the data's class ids follow (hf_head.py)."""
+        return hf_head.head_names(self) if self.task in LABELLED else None
+
     def own_tokenizer(self) -> str | None:
         if self.task == "image-classification":
             return None  # pixels: no tokenizer (its image processor is the folder's preprocessor_config.json)
@@ -106,6 +115,7 @@ class HFModel(nn.Module):
         """`label_names`: a task with labels' class names (Data.label_names): the head's size, id2label and label2id."""
         super().__init__()
         config = hf_loading.load_config(cfg.hf_path)
+        folder_names = [config.id2label[i] for i in range(len(config.id2label))]  # the pretrained head's rows, if it has one
         self.task = cfg.task
         hf_loading.check_task(config, cfg.task, cfg.hf_path)
         hf_loading.check_sizes(config, cfg.hf_path, vocab_size, cfg.block_size, cfg.vocab_size)
@@ -121,6 +131,11 @@ class HFModel(nn.Module):
             hf.lm_head.weight = nn.Parameter(hf.lm_head.weight.detach().clone())
             hf.config.get_text_config().tie_word_embeddings = False
         checkpointing = Checkpointing(cfg.activation_checkpointing, cfg.selective_ac)
+        if checkpointing.mode != "none" and not hf.supports_gradient_checkpointing:
+            raise UserError(
+                f"model.activation_checkpointing={checkpointing.mode}: transformers cannot checkpoint the layers of "
+                f"{type(hf).__name__} ({config.model_type}); set model.activation_checkpointing=none"
+            )
         if checkpointing.mode != "none":  # transformers checkpoints each decoder layer's forward (FSDP2's hooks stay outside)
             hf.activation_checkpointing_enable(
                 activation_checkpointing_kwargs=checkpointing.kwargs(), every_n_layers=checkpointing.every_n_layers()
@@ -140,10 +155,12 @@ class HFModel(nn.Module):
         self._register_state_dict_hook(_adapters_only)
         self.register_load_state_dict_post_hook(_base_not_missing)
         self.train()
-        self.new_weights, self.notice = self._new_head() if self.pretrained else ([], None)
-        if cfg.lora_rank and self.new_weights:  # LoRA freezes every weight but its adapters, and checkpoints hold only those
+        fresh = self._new_head(label_names, folder_names, cfg.new_head) if self.pretrained else ([], {}, None)
+        self.new_weights, self.grown_weights, self.notice = fresh  # grown: {name: the rows its files give}
+        # LoRA freezes every weight but its adapters, and checkpoints hold only those: a new or grown head would stay as it starts
+        if cfg.lora_rank and (self.new_weights or self.grown_weights):
             raise UserError(
-                f"model.lora_rank: the new model.task={self.task} head ({', '.join(self.new_weights[:2])}) would stay frozen at its "
+                f"model.lora_rank: the new model.task={self.task} head ({', '.join([*self.new_weights, *self.grown_weights][:2])}) would stay frozen at its "
                 "random start and not be saved; train every weight (model.lora_rank=0), or start from a folder that holds the head"
             )
         if self.pretrained and not next(self.parameters()).is_meta:  # built whole (tests, scripts): load its weights now
@@ -184,24 +201,34 @@ class HFModel(nn.Module):
         else:
             self.init_tree.apply(name, module)
 
-    def _new_head(self) -> tuple[list[str], str | None]:
-        """The weights the folder does not give (absent, or of another shape: hf_loading.new_weights), which start from
-        transformers' own initialisation, and the notice that names them. A causal LM must hold all of its own."""
+    def _new_head(self, labels: list[str] | None, folder_names: list[str], new_head: bool) -> tuple[list[str], dict[str, int], str | None]:
+        """(the weights the folder does not give, which start from transformers' own initialisation: absent, or of another
+        shape (hf_loading.new_weights); {a head's weight that grows: the rows its files give} (hf_head.py); the one notice
+        that names them). A causal LM must hold all of its own."""
         if self.task == DEFAULT:
-            return [], None
-        fresh = hf_loading.new_weights(self, self.pretrained_files(), {**self.tied, **self.weight_aliases})
+            return [], {}, None
+        aliases = {**self.tied, **self.weight_aliases}
+        fresh = hf_loading.new_weights(self, self.pretrained_files(), aliases)
         what = f"model.hf_path {self.hf_path!r}"
         if len(fresh) == len(self.state_dict()):
             raise UserError(
                 f"{what} holds none of the weights of its {self.hf.config.model_type} model; give the folder save_pretrained wrote"
             )
-        if not fresh:
-            return [], None
-        names = ", ".join(fresh[:4]) + (f" and {len(fresh) - 4} more" if len(fresh) > 4 else "")
-        return fresh, (
-            f"notice: {what} gives no weights for {names} (a new model.task={self.task} head on its pretrained body, or a head of "
-            "another number of labels): they start from transformers' own initialisation, as from_pretrained gives them"
-        )
+        head = hf_head.folder_head(self.hf, folder_names, self.task, self.hf_path, self.pretrained_files(), aliases) if labels else None
+        grown, notices = {}, []
+        if head is not None:  # the folder's head: its rows keep their names, or model.new_head=true starts it anew
+            kept, notice = hf_head.kept_rows(head, labels, new_head, what)
+            grown = {name: rows for name, rows in kept.items() if name in fresh}  # rows the files give, and new ones
+            fresh = [name for name in fresh if name not in grown] + [t for t in head.tensors if new_head and t not in fresh]
+            notices += [notice] if notice else []
+        others = [name for name in fresh if head is None or name not in head.tensors]
+        if others:
+            names = ", ".join(others[:4]) + (f" and {len(others) - 4} more" if len(others) > 4 else "")
+            notices.append(
+                f"notice: {what} gives no weights for {names} (a new model.task={self.task} head on its pretrained body): they "
+                "start from transformers' own initialisation, as from_pretrained gives them"
+            )
+        return fresh, grown, "; ".join(notices) or None
 
     def _load_pretrained(self) -> None:
         from safetensors.torch import load_file
@@ -212,7 +239,10 @@ class HFModel(nn.Module):
         # An untied lm_head starts as the embedding; a tied one is the embedding (save_pretrained stores it once).
         state = with_aliases(with_aliases(state, self.weight_aliases), self.tied)
         state = {k: v for k, v in state.items() if k not in self.new_weights}  # these keep their fresh initialisation
-        missing = [n for n in self.state_dict() if n not in state and n not in self.new_weights]
+        own = self.state_dict()
+        for name, rows in self.grown_weights.items():  # a grown head: the files' rows, then its own new ones
+            state[name] = torch.cat([state[name][:rows].to(own[name].dtype), own[name][rows:]])
+        missing = [n for n in own if n not in state and n not in self.new_weights]
         if missing:
             raise UserError(
                 f"model.hf_path {self.hf_path!r}: its weights lack {missing[0]!r} ({len(missing)} tensors); was it saved by save_pretrained?"

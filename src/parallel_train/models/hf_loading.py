@@ -184,10 +184,27 @@ def set_labels(config: Any, label_names: list[str] | None) -> None:
         config.label2id = {name: i for i, name in enumerate(label_names)}
 
 
+# model.attn_implementation -> the flag of a transformers model class that says it has that kernel.
+KERNEL_FLAGS = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn", "flex_attention": "_supports_flex_attn"}
+
+
+def check_kernel(config: Any, task: str, attn_implementation: str | None) -> None:
+    """The model class has the attention kernel asked for; one line naming eager (which every model has) if not: a
+    ResNet has no attention at all, and transformers refuses sdpa, the default, for it."""
+    model_class = getattr(import_transformers(), AUTO_CLASSES[task])._model_mapping.get(type(config), None)
+    flag = KERNEL_FLAGS.get(attn_implementation or "")
+    if model_class is not None and flag and not getattr(model_class, flag, True):
+        raise UserError(
+            f"model.attn_implementation={attn_implementation}: transformers has no {attn_implementation} attention for "
+            f"{model_class.__name__} ({config.model_type}); set model.attn_implementation=eager"
+        )
+
+
 def build_model(config: Any, task: str, hf_path: str, dtype: str, attn_implementation: str | None = None) -> torch.nn.Module:
     """The task's `AutoModelFor....from_config` (AUTO_CLASSES): the architecture, with random weights (seeded by the caller) or, built
     under model_init.parameters_on_meta, none at all; pretrained weights come from `weight_files`."""
     transformers = import_transformers()
+    check_kernel(config, task, attn_implementation)
     try:
         kernel = {"attn_implementation": attn_implementation} if attn_implementation else {}  # None: transformers' default
         return getattr(transformers, AUTO_CLASSES[task]).from_config(config, dtype=DTYPES[dtype], **kernel)

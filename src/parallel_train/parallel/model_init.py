@@ -86,6 +86,7 @@ class Initializer:
         pretrained: list[Path] | None = None,
         aliases: dict[str, str] | None = None,
         fresh: tuple[str, ...] = (),
+        grown: dict[str, int] | None = None,
     ):
         self.seed = seed
         self.rule: InitRule = getattr(model, "init_weights", None) or default_rule
@@ -98,7 +99,7 @@ class Initializer:
             for n, b in m._buffers.items()
             if b is not None and not b.is_meta
         }
-        self.pretrained = PretrainedTensors(pretrained, aliases or {}, fresh) if pretrained else None
+        self.pretrained = PretrainedTensors(pretrained, aliases or {}, fresh, grown or {}) if pretrained else None
 
     def fill(self, module: nn.Module, device: torch.device) -> None:
         """Give `module`'s parameters (this rank's slices) memory on `device` and their first values. A tied weight
@@ -124,6 +125,8 @@ class Initializer:
                         if owner not in initialised:
                             initialised[owner] = self.initialise(owner)
                         value = initialised[owner][attr]
+                        if self.pretrained is not None:  # a grown head (models/hf_head.py): its first rows are the files'
+                            value = self.pretrained.grow(source, value)
                     local_view(t).copy_(value if region is None else value[region])
                     done.add(id(t))
 
@@ -150,7 +153,7 @@ class PretrainedTensors:
     """Tensors by name from safetensors files; `read` takes only the slice a rank holds (`get_slice`), so no rank
     reads a whole tensor it shards, let alone a whole file."""
 
-    def __init__(self, files: list[Path], aliases: dict[str, str], fresh: tuple[str, ...] = ()):
+    def __init__(self, files: list[Path], aliases: dict[str, str], fresh: tuple[str, ...] = (), grown: dict[str, int] | None = None):
         from safetensors import safe_open
 
         self.where: dict[str, tuple[Path, str]] = {}  # model name -> (file, the name in the file)
@@ -161,6 +164,8 @@ class PretrainedTensors:
         self.where.update({alias: self.where[name] for alias, name in aliases.items() if name in self.where and alias not in self.where})
         for name in fresh:  # not read: the files hold it in another shape (a head of another number of labels)
             self.where.pop(name, None)
+        # {name: (its file and name there, the rows it gives)}: a head grown by new classes, read whole (it is small)
+        self.grown = {name: (self.where.pop(name), rows) for name, rows in (grown or {}).items() if name in self.where}
 
     def __contains__(self, key: str) -> bool:
         return key in self.where
@@ -171,6 +176,16 @@ class PretrainedTensors:
         path, key = self.where[key]
         with safe_open(str(path), framework="pt") as handle:
             return handle.get_tensor(key) if region is None else handle.get_slice(key)[region]
+
+    def grow(self, key: str, value: torch.Tensor) -> torch.Tensor:
+        """`value` (the whole tensor, freshly initialised) with the rows the files give for it, where it is a grown head."""
+        if key not in self.grown:
+            return value
+        from safetensors import safe_open
+
+        (path, name), rows = self.grown[key]
+        with safe_open(str(path), framework="pt") as handle:
+            return torch.cat([handle.get_tensor(name)[:rows].to(value.dtype), value[rows:]])
 
 
 class Whole:
@@ -223,5 +238,5 @@ def start_model(
     with parameters_on_meta():
         model = model_class(cfg, vocab_size, **extra)
     files = model.pretrained_files() if hasattr(model, "pretrained_files") else None
-    fresh = tuple(getattr(model, "new_weights", ()))
-    return model, Initializer(model, seed, files, getattr(model, "weight_aliases", None), fresh)
+    fresh, grown = tuple(getattr(model, "new_weights", ())), getattr(model, "grown_weights", None)
+    return model, Initializer(model, seed, files, getattr(model, "weight_aliases", None), fresh, grown)

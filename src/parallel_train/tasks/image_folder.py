@@ -25,7 +25,7 @@ from torch.utils.data import Dataset
 from parallel_train.config.sections import Config
 from parallel_train.data.text import Data
 from parallel_train.errors import UserError
-from parallel_train.tasks.label_names import names_file
+from parallel_train.tasks.label_names import head_names, names_file, with_head
 
 LAYOUT = "CLASS/IMAGE files, or train/CLASS/IMAGE and validation/CLASS/IMAGE"
 PROCESSOR_FILE = "preprocessor_config.json"
@@ -41,7 +41,7 @@ def load_images(cfg: Config, saved: Any = None) -> Data:
         raise UserError(f"data.path: {cfg.data.path!r} is not a folder; model.task=image-classification reads an imagefolder ({LAYOUT})")
     processor = image_processor(cfg.model)  # first: a missing one is one line before any image is read
     splits = split_images(root)
-    names = class_names(root, splits)
+    names = with_head(class_names(root, splits), head_names(cfg))  # a pretrained head's names first, in its rows' order
     if "validation" in splits:
         train, val, how = splits["train"], splits["validation"], "from validation/"
     else:

@@ -52,24 +52,43 @@ def ordered(values: set[Any]) -> list[Any]:
     return sorted(values)
 
 
-def label_ids(rows: Rows, nested: bool) -> tuple[list[str], list[Any], list[Any]]:
+def head_names(cfg: Any) -> list[str] | None:
+    """The class names of the pretrained head the run keeps, in its rows' order (the model's `head_label_names`: for
+    model.name=hf, its folder's id2label when its weights hold a head with names: models/hf_head.py), or None."""
+    own = getattr(cfg.model, "head_label_names", None)  # a model's config may say (models/hf.py HFConfig)
+    return own() if own is not None else None
+
+
+def with_head(names: list[str], head: list[str] | None) -> list[str]:
+    """The run's class names: a pretrained head's first, in its rows' order (each row stays the row of its name), then
+    the data's names it lacks (new rows); the data's alone when there is no head, or it shares no name with it (the
+    model refuses that head, or starts a new one: model.new_head)."""
+    if not head or not set(names) & set(head):
+        return names
+    return [*head, *(name for name in names if name not in head)]
+
+
+def label_ids(rows: Rows, nested: bool, head: list[str] | None = None) -> tuple[list[str], list[Any], list[Any]]:
     """(the class names, the train labels as ids, the validation labels as ids). `nested`: each row holds a list of
-    labels (one per word); else one label."""
+    labels (one per word); else one label. `head`: a pretrained head's class names (head_names), which come first."""
     feature_names = class_label_names(rows.features[rows.label])
     splits = {"train": rows.train[rows.label], "validation": rows.val[rows.label]}
     flat = {s: [(i, v) for i, row in enumerate(vs) for v in (row if nested else [row])] for s, vs in splits.items()}
     if feature_names is not None:
-        names, lookup = feature_names, {i: i for i in range(len(feature_names))}
+        data_names, named = feature_names, dict(enumerate(feature_names))  # ids already: id i is feature_names[i]
     else:
         classes = ordered({as_label(v, lambda: rows.where("train", i)) for i, v in flat["train"]})  # noqa: B023
-        names, lookup = [str(v) for v in classes], {v: i for i, v in enumerate(classes)}
+        data_names, named = [str(v) for v in classes], {v: str(v) for v in classes}
+    names = with_head(data_names, head)
+    at = {name: i for i, name in enumerate(names)}
+    lookup = {key: at[name] for key, name in named.items()}
     ids = {}
     for split, pairs in flat.items():
         mapped = []
         for i, v in pairs:
             key = as_label(v, lambda: rows.where(split, i))  # noqa: B023 (called at once)
             if key not in lookup:
-                raise UserError(unknown(rows, split, i, v, names, feature_names is not None))
+                raise UserError(unknown(rows, split, i, v, data_names, feature_names is not None))
             mapped.append(lookup[key])
         ids[split] = regroup(mapped, splits[split]) if nested else mapped
         if split == "train":

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from parallel_train.tasks.label_names import label_ids, names_file
+from parallel_train.tasks.label_names import head_names, label_ids, names_file
 from parallel_train.tasks.task import Task
 from parallel_train.tasks.text_rows import EncodedRows, Encoder, check_text_columns, read_rows, task_data, task_tokenizer
 
@@ -26,7 +26,7 @@ def load(cfg: Any, saved: Any) -> Any:
     check_text_columns(cfg.data, NAME, (1, 2))
     rows = read_rows(cfg, LAYOUTS, NAME)
     tokenizer = task_tokenizer(cfg, saved, NAME)
-    names, train_labels, val_labels = label_ids(rows, nested=False)
+    names, train_labels, val_labels = label_ids(rows, nested=False, head=head_names(cfg))
     encoder = Encoder.of(tokenizer, cfg.model.block_size)
 
     def encoded(part: dict[str, list], labels: list[int]) -> EncodedRows:

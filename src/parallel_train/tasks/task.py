@@ -44,6 +44,8 @@ AUTO_CLASSES = {
 }
 # Every task model.task may name (config/model.py lists them as its choices); tasks/registry.py holds the Task of each.
 TASK_NAMES = tuple(AUTO_CLASSES)
+# The tasks with class names (Task.has_labels, which tests/test_structure.py checks against this): a classifier's head.
+LABELLED = ("sequence-classification", "token-classification", "image-classification")
 
 
 @dataclass(frozen=True)

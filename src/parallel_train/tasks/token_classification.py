@@ -15,7 +15,7 @@ import numpy as np
 
 from parallel_train.errors import UserError
 from parallel_train.losses import IGNORE_INDEX
-from parallel_train.tasks.label_names import label_ids, names_file
+from parallel_train.tasks.label_names import head_names, label_ids, names_file
 from parallel_train.tasks.task import Task
 from parallel_train.tasks.text_rows import EncodedRows, Encoder, Rows, check_text_columns, read_rows, task_data, task_tokenizer
 
@@ -54,7 +54,7 @@ def load(cfg: Any, saved: Any) -> Any:
     rows = read_rows(cfg, LAYOUTS, NAME)
     tokenizer = task_tokenizer(cfg, saved, NAME)
     train_words, val_words = words_of(rows, "train", rows.train), words_of(rows, "validation", rows.val)
-    names, train_tags, val_tags = label_ids(rows, nested=True)
+    names, train_tags, val_tags = label_ids(rows, nested=True, head=head_names(cfg))
     encoder = Encoder.of(tokenizer, cfg.model.block_size)
 
     def encoded(words: list[list[str]], tags: list[list[int]]) -> EncodedRows:
