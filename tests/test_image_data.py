@@ -280,7 +280,7 @@ def start_check(folder, model_folder) -> None:
     from parallel_train.models import MODELS
     from parallel_train.parallel.model_init import start_model
 
-    cfg = config(folder, model_folder)
+    cfg = config(folder, model_folder, "model.new_head=true")  # the tiny models' heads are unnamed: start them anew
     data = TASKS["image-classification"].load(cfg, None)
     model = start_model(MODELS["hf"], cfg.model, data.vocab_size, 0, data.label_names)[0]
     check_first_batches(model, data, cfg, TASKS["image-classification"], next(iter(val_loader(data, cfg, 1))))
