@@ -20,7 +20,16 @@ import numpy as np
 from parallel_train.errors import UserError
 from parallel_train.losses import IGNORE_INDEX
 from parallel_train.tasks.task import Task
-from parallel_train.tasks.text_rows import EncodedRows, Encoder, Rows, check_text_columns, read_rows, task_data, task_tokenizer
+from parallel_train.tasks.text_rows import (
+    EncodedRows,
+    Encoder,
+    Rows,
+    check_text_columns,
+    column_texts,
+    read_rows,
+    task_data,
+    task_tokenizer,
+)
 
 NAME = "seq2seq"
 LAYOUTS = ((("source",), "target"), (("translation",), None), (("text",), "summary"))
@@ -61,7 +70,7 @@ def decoder_ids(cfg: Any, pad_id: int) -> tuple[int, int]:
 def texts_of(rows: Rows, part: dict[str, list], split: str, d: Any) -> tuple[list[str], list[str]]:
     """(sources, targets) of the rows: two columns, or each row's translation dict at the two languages."""
     if rows.label is not None:
-        return [str(t) for t in part[rows.texts[0]]], [str(t) for t in part[rows.label]]
+        return column_texts(rows, part, rows.texts[0], split), column_texts(rows, part, rows.label, split)
     column = part[rows.texts[0]]
     first = column[0] if isinstance(column[0], dict) else {}
     if not d.source_lang or not d.target_lang:
