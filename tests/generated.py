@@ -3,14 +3,19 @@ test_generated_scripts.py): cases as pytest parameters (a seeded sample in the d
 `-m slow`, the known failures as strict xfails), and the one check every case passes: exit 2 with one `error:` line
 naming the key, column or file, or a documented success; never a traceback; no input changed.
 
-Each case records its outcome as a junit property (`outcome`: one-line, success or notice), so that
-`pytest -m 'slow or not slow' tests/test_generated_*.py --junitxml=FILE` counts them per kind.
+Each case records its outcome as a junit property (`outcome`: one-line, success or notice), which this module counts
+per kind:
+
+    pytest -m 'slow or not slow' tests/test_generated_*.py --junitxml=FILE -o junit_family=legacy
+    python tests/generated.py FILE
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
+import sys
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,14 +39,18 @@ class Case:
     success: str = ""
 
 
-def params(cases: Iterable[Case], known: dict[str, str], default: int | None, seed: int = SEED) -> list:
-    """pytest parameters of `cases`: all of them, `default` of them (a seeded draw, None: all) in the default suite and
-    the rest marked slow; a case of `known` (id -> why) is a strict xfail, so that the fix that mends it says so."""
+def params(
+    cases: Iterable[Case], known: dict[str, str], default: int | None, cheap: Callable[[Case], bool] = lambda c: True, seed: int = SEED
+) -> list:
+    """pytest parameters of `cases`: all of them, `default` of the `cheap` ones (a seeded draw; None: all) in the
+    default suite and the rest marked slow; a case of `known` (id -> why) is a strict xfail, so that the fix that
+    mends it says so."""
     cases = list(cases)
     ids = [c.id for c in cases]
     assert len(set(ids)) == len(ids), "two generated cases share an id"
     assert not (stale := set(known) - set(ids)), f"KNOWN names cases that are no longer generated: {sorted(stale)}"
-    chosen = set(ids) if default is None or default >= len(ids) else set(random.Random(seed).sample(ids, default))
+    pool = [c.id for c in cases if cheap(c)]
+    chosen = set(ids) if default is None else set(random.Random(seed).sample(pool, min(default, len(pool))))
     out = []
     for case in cases:
         marks = [] if case.id in chosen else [pytest.mark.slow]
@@ -52,7 +61,8 @@ def params(cases: Iterable[Case], known: dict[str, str], default: int | None, se
 
 
 def named(text: str, names: tuple[str, ...]) -> bool:
-    return any(n in text for n in names)
+    """Whether the text names one of `names` (in any case: a positional's dest is its MODEL_DIR in the docs)."""
+    return any(n.lower() in text.lower() for n in names)
 
 
 def assert_message(message: str, case: Case) -> None:
@@ -96,3 +106,21 @@ class Unchanged:
 
 def snapshot_file(path: Path) -> dict[str, tuple[int, int, str]]:
     return {path.name: (path.stat().st_size, path.stat().st_mtime_ns, hashlib.sha256(path.read_bytes()).hexdigest())}
+
+
+def counts(xml: str) -> dict[str, Counter]:
+    """{test: Counter(outcome)} of a junit file: one-line, success, notice, xfail, failed."""
+    import xml.etree.ElementTree as ET
+
+    out: dict[str, Counter] = {}
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        props = {p.get("name"): p.get("value") for p in case.iter("property")}
+        failed = case.find("failure") is not None or case.find("error") is not None
+        outcome = "xfail" if case.find("skipped") is not None else "failed" if failed else props.get("outcome", "passed")
+        out.setdefault(f"{case.get('classname')}::{case.get('name').split('[')[0]}", Counter())[outcome] += 1
+    return out
+
+
+if __name__ == "__main__":
+    for test, outcomes in counts(sys.argv[1]).items():
+        print(f"{test}: {sum(outcomes.values())} cases, {dict(outcomes)}")
