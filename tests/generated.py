@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import Result, snapshot
+from helpers import TINY, Result, launch_env, run, snapshot, warm_cmd
 
 TRACEBACK = "Traceback (most recent call last)"
 SEED = 34  # the default suite's sample: the same cases at every run, so a failure is reproducible
@@ -58,6 +58,18 @@ def params(
             marks.append(pytest.mark.xfail(strict=True, reason=known[case.id]))
         out.append(pytest.param(case, id=case.id, marks=marks))
     return out
+
+
+def drawn(cases: Iterable[Case], n: int, seed: int = SEED) -> list[Case]:
+    """A seeded draw of n cases, in their order: the ones the slow suite also runs through train.py."""
+    cases = list(cases)
+    keep = set(random.Random(seed).sample(range(len(cases)), min(n, len(cases))))
+    return [c for i, c in enumerate(cases) if i in keep]
+
+
+def through_train_py(argv: list[str], tmp: Path) -> Result:
+    """train.py (forked from the warm launcher) on the tiny settings, then `argv` (which wins), into tmp/out."""
+    return run(warm_cmd(1, *TINY, *argv, f"output_dir={tmp / 'out'}"), env=launch_env(tmp), timeout=240)
 
 
 def named(text: str, names: tuple[str, ...]) -> bool:

@@ -7,18 +7,22 @@ table is covered without a new test.
 Each case is `load_config` and `check_source` on the overrides, what `train.py` does before anything heavy (the
 CLI turns the UserError into `error: ...` and exit 2): one line naming the key; or a documented success, a value
 equal to the key's default (a key set to its default changes nothing: config/usage.py) or the one `notice:` line
-naming a key the run does not read (docs/configuration.md); never another exception; no input changed.
+naming a key the run does not read (docs/configuration.md); never another exception; no input changed. The same
+cases are also written in a --config file (a seeded sample by default, all under -m slow), and a seeded 40 of them
+go through train.py itself under -m slow (exit 2 and one `error:` line, as the CLI prints it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from pathlib import Path
 
 import pytest
+import yaml
 
-from generated import Case, Unchanged, assert_message, params
+from generated import Case, Unchanged, assert_message, assert_result, drawn, named, params, through_train_py
 from parallel_train.config.fields import INT_MAX, fields_of, hints
 from parallel_train.config.load import load_config
 from parallel_train.config.sections import Config
@@ -27,6 +31,7 @@ from parallel_train.data.sources import check_source
 from parallel_train.errors import UserError
 from parallel_train.models import MODELS
 
+REPO = Path(__file__).resolve().parents[1]
 HF = "{places}/hf"
 # What each model needs to load at all beside its name (a Hugging Face model names its folder, the seed MLP takes
 # feature vectors).
@@ -172,16 +177,12 @@ def assert_case(case: Case, places: Path, capsys, record_property, argv: list[st
         assert_message(error, case)
         return record_property("outcome", "one-line")
     if notices:
-        assert notices.count("\n") == 0 and named(notices, case), f"{case.id}: {notices}"
+        assert notices.count("\n") == 0 and named(notices, case.names), f"{case.id}: {notices}"
         return record_property("outcome", "notice")
     key = case.names[0]
     value = _value(cfg, key)
     assert "default" in case.data and value == case.data["default"], f"{case.id}: accepted without a word: {key}={value!r}"
     record_property("outcome", "success")
-
-
-def named(text: str, case: Case) -> bool:
-    return any(n in text for n in case.names)
 
 
 def _value(cfg: Config, key: str) -> object:
@@ -200,6 +201,23 @@ def test_a_bad_value_is_one_line_naming_the_key(case, places, capsys, record_pro
     assert_case(case, places, capsys, record_property, case.data["argv"])
 
 
+@pytest.mark.parametrize("case", params(value_cases() + section_cases(), {}, default=30, seed=35))
+def test_a_bad_value_in_a_config_file_is_one_line_naming_the_key(case, places, capsys, record_property):
+    """The same cases written in a --config file: YAML types each value as it types an override; sections hold them."""
+    tree: dict = {}
+    for setting in case.data["argv"]:
+        key, raw = setting.replace("{places}", str(places)).split("=", 1)
+        *sections, name = key.split(".")
+        node = tree
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[name] = yaml.safe_load(raw) if raw else ""
+    path = places / "yaml" / f"{hashlib.sha256(case.id.encode()).hexdigest()[:16]}.yaml"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(yaml.safe_dump(tree))
+    assert_case(case, places, capsys, record_property, ["--config", str(path)])
+
+
 @pytest.mark.parametrize("case", params(unread_cases(), KNOWN, default=None))
 def test_a_key_the_run_does_not_read_is_one_notice_or_one_error(case, places, capsys, record_property):
     argv = case.data.get("argv")
@@ -210,7 +228,7 @@ def test_a_key_the_run_does_not_read_is_one_notice_or_one_error(case, places, ca
     if error is not None:
         assert_message(error, case)
         return record_property("outcome", "one-line")
-    assert notices.count("\n") == 0 and named(notices, case), f"{case.id}: not one notice naming it: {notices!r}"
+    assert notices.count("\n") == 0 and named(notices, case.names), f"{case.id}: not one notice naming it: {notices!r}"
     record_property("outcome", "notice")
 
 
@@ -220,6 +238,19 @@ def unread_in(context: list[str], key: str, places: Path) -> bool:
 
     cfg, _ = load_config([a.replace("{places}", str(places)) for a in context])
     return BY_KEY[key].reads(cfg)
+
+
+def errors(case: Case) -> bool:
+    """Not an empty value of a key whose default is empty (that one trains: a documented success)."""
+    return not (case.id.endswith(":empty") and not case.data.get("default", "x"))
+
+
+@pytest.mark.parametrize("case", params(drawn(filter(errors, value_cases() + section_cases()), 40), {}, default=0))
+def test_a_bad_value_through_train_py_is_one_error_line(case, places, tmp_path, record_property):
+    """The same cases, some of them, as train.py says them: exit 2 and one `error:` line, nothing else changed."""
+    with Unchanged(places, REPO / "data"):
+        result = through_train_py([a.replace("{places}", str(places)) for a in case.data["argv"]], tmp_path)
+    assert_result(result, case, record_property)
 
 
 def test_every_unread_key_has_a_context(places):

@@ -7,7 +7,8 @@ its imagefolder's corruptions. A new task with LAYOUTS is covered without a new 
 Each case is what train.py's start does with the data: `load_config` on the task's settings, then
 `load_task_data` (tasks/registry.py), before any model is built. It must raise one line naming the column or the
 file (the CLI prints it as `error: ...`, exit 2), or be a documented success; never another exception; the data
-and model folders unchanged.
+and model folders unchanged. Under -m slow every case that is an error also goes through train.py itself (exit 2
+and one `error:` line, as the CLI prints it).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import hf_tiny
-from generated import Case, Unchanged, assert_message, params
+from generated import Case, Unchanged, assert_message, assert_result, params, through_train_py
 from parallel_train.config.load import load_config
 from parallel_train.config.sections import DataConfig
 from parallel_train.errors import UserError
@@ -167,10 +168,7 @@ KNOWN: dict[str, str] = {"sequence-classification:label:single": SINGLE, "token-
 @pytest.mark.parametrize("case", params(task_cases(), KNOWN, default=10, cheap=lambda c: "image" not in c.data["task"]))
 def test_bad_task_data_is_one_line_naming_the_column_or_file(case, models, tmp_path, capsys, record_property):
     task = case.data["task"]
-    folder = tmp_path / "data"
-    folder.mkdir()
-    path = case.data["write"](folder)
-    argv = [f"model.task={task}", *settings(task, models), f"data.path={path}", "model.block_size=24"]
+    folder, argv = written(case, models, tmp_path)
     with Unchanged(folder, models["root"]):
         try:
             cfg, _ = load_config(argv)
@@ -184,3 +182,23 @@ def test_bad_task_data_is_one_line_naming_the_column_or_file(case, models, tmp_p
         return record_property("outcome", "success")
     assert_message(error, case)
     record_property("outcome", "one-line")
+
+
+def written(case: Case, models: dict[str, Path], tmp_path: Path) -> tuple[Path, list[str]]:
+    """(the case's data folder, written; train.py's settings for it)."""
+    task, folder = case.data["task"], tmp_path / "data"
+    folder.mkdir()
+    path = case.data["write"](folder)
+    return folder, [f"model.task={task}", *settings(task, models), f"data.path={path}", "model.block_size=24"]
+
+
+LAUNCHED = [c for c in task_cases() if not c.success]  # every case that is an error
+
+
+@pytest.mark.parametrize("case", params(LAUNCHED, {k: v for k, v in KNOWN.items() if k in {c.id for c in LAUNCHED}}, default=0))
+def test_bad_task_data_through_train_py_is_one_error_line(case, models, tmp_path, record_property):
+    """Some of the same cases, as train.py says them: exit 2 and one `error:` line, the data and models unchanged."""
+    folder, argv = written(case, models, tmp_path)
+    with Unchanged(folder, models["root"]):
+        result = through_train_py(argv, tmp_path)
+    assert_result(result, case, record_property)
