@@ -94,6 +94,8 @@ def assert_result(result: Result, case: Case, record: Callable[[str, str], None]
     errors = [line for line in out.splitlines() if line.startswith("error:")]
     assert result.returncode == 2 and len(errors) == 1, f"{case.id}: exit {result.returncode}, {len(errors)} error lines:\n{out[-3000:]}"
     assert_message(errors[0], case)
+    others = [line for line in result.stderr.splitlines() if line.strip() and not line.startswith(("error:", "notice:", "warning:"))]
+    assert not others, f"{case.id}: more than the error line on stderr: {others[:5]}"
     record("outcome", "one-line")
 
 

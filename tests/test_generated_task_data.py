@@ -23,6 +23,7 @@ import hf_tiny
 from generated import Case, Unchanged, assert_message, assert_result, params, through_train_py
 from parallel_train.config.load import load_config
 from parallel_train.config.sections import DataConfig
+from parallel_train.data.inputs import LOCAL_FORMATS
 from parallel_train.errors import UserError
 from parallel_train.observe.messages import quiet_third_party
 from parallel_train.tasks.registry import TASKS, load_task_data
@@ -57,6 +58,12 @@ def rows(task: str, n: int = ROWS) -> list[dict]:
 
 def jsonl(path: Path, data: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in data))
+    return path
+
+
+def binary(path: Path) -> Path:
+    """A file of every byte value: not text, not rows (a corrupt download, a file of another kind renamed)."""
+    path.write_bytes(bytes(range(256)) * 4)
     return path
 
 
@@ -98,7 +105,7 @@ def corruptions(task: str) -> list[tuple[str, object, tuple[str, ...]]]:
             lambda d: (jsonl(d / "train.jsonl", rows(task)), jsonl(d / "validation.jsonl", []))[0].parent,
             ("validation",),
         ),
-        ("binary", lambda d: (d / "rows.jsonl").write_bytes(bytes(range(256)) * 4) and d / "rows.jsonl", ("rows.jsonl",)),
+        *[(f"binary{ext}", lambda d, ext=ext: binary(d / f"rows{ext}"), (f"rows{ext}",)) for ext in LOCAL_FORMATS],
         ("truncated_json", lambda d: (d / "rows.json").write_text(json.dumps(rows(task))[:-40]) and d / "rows.json", ("rows.json",)),
     ]
     return out
