@@ -68,8 +68,8 @@ def drawn(cases: Iterable[Case], n: int, seed: int = SEED) -> list[Case]:
 
 
 def through_train_py(argv: list[str], tmp: Path) -> Result:
-    """train.py (forked from the warm launcher) on the tiny settings, then `argv` (which wins), into tmp/out."""
-    return run(warm_cmd(1, *TINY, *argv, f"output_dir={tmp / 'out'}"), env=launch_env(tmp), timeout=240)
+    """train.py (forked from the warm launcher) on the tiny settings into tmp/out, then `argv` (which wins over both)."""
+    return run(warm_cmd(1, *TINY, f"output_dir={tmp / 'out'}", *argv), env=launch_env(tmp), timeout=240)
 
 
 def named(text: str, names: tuple[str, ...]) -> bool:

@@ -67,36 +67,36 @@ def binary(path: Path) -> Path:
     return path
 
 
+def rewritten(task: str, change) -> object:
+    """A writer of rows.jsonl: the task's rows, each passed through change(i, row)."""
+    return lambda d: jsonl(d / "rows.jsonl", [change(i, dict(r)) for i, r in enumerate(rows(task))])
+
+
 def corruptions(task: str) -> list[tuple[str, object, tuple[str, ...]]]:
     """(what, how to write data.path into a folder, the names its line may hold) for a text task."""
     texts, label = layout(task)
-    columns = (*texts, *([label] if label else []))
     out = []
-    for c in columns:  # a line may name the column or the file
-        out.append(
-            (
-                f"missing:{c}",
-                lambda d, c=c: jsonl(d / "rows.jsonl", [{k: v for k, v in r.items() if k != c} for r in rows(task)]),
-                (c, "rows.jsonl"),
-            )
-        )
-        out.append((f"renamed:{c}", lambda d, c=c: jsonl(d / "rows.jsonl", [{(k + "_renamed" if k == c else k): v for k, v in r.items()} for r in rows(task)]), (c, "rows.jsonl")))  # fmt: skip
+    for c in (*texts, *([label] if label else [])):  # a line may name the column or the file
+        at = (c, "rows.jsonl")
+        out.append((f"missing:{c}", rewritten(task, lambda i, r, c=c: {k: v for k, v in r.items() if k != c}), at))
+        out.append((f"renamed:{c}", rewritten(task, lambda i, r, c=c: {(k + "_renamed" if k == c else k): v for k, v in r.items()}), at))
         for kind, wrong in (("dict", {"a": 1}), ("number", 7))[: 1 if c == label and TASKS[task].has_labels else 2]:
-            out.append(
-                (f"type:{c}:{kind}", lambda d, c=c, w=wrong: jsonl(d / "rows.jsonl", [{**r, c: w} for r in rows(task)]), (c, "rows.jsonl"))
-            )
-        out.append((f"null:{c}", lambda d, c=c: jsonl(d / "rows.jsonl", [{**r, c: None} if i == 3 else r for i, r in enumerate(rows(task))]), (c, "rows.jsonl")))  # fmt: skip
+            out.append((f"type:{c}:{kind}", rewritten(task, lambda i, r, c=c, w=wrong: {**r, c: w}), at))
+        out.append((f"null:{c}", rewritten(task, lambda i, r, c=c: {**r, c: None} if i == 3 else r), at))
     if label and TASKS[task].has_labels:
-        unseen = ["never_seen"] * 3 if task == "token-classification" else "never_seen"
-        out.append(
+        nested = task == "token-classification"  # one label per word
+        unseen, single, word = (["never_seen"] * 3, [CLASSES[0]] * 3, ["a"] * 3) if nested else ("never_seen", CLASSES[0], "a")
+        last = ROWS - 1
+        out += [
+            ("label:unseen", rewritten(task, lambda i, r: {**r, label: unseen} if i == last else r), (label, "never_seen")),
+            ("label:single", rewritten(task, lambda i, r: {**r, label: single}), (label,)),
+            # text where every other label is a whole number (ids, as a ClassLabel column holds them)
             (
-                "label:unseen",
-                lambda d: jsonl(d / "rows.jsonl", [*rows(task)[:-1], {**rows(task)[-1], label: unseen}]),
-                (label, "never_seen"),
-            )
-        )
-        single = [CLASSES[0]] * 3 if task == "token-classification" else CLASSES[0]
-        out.append(("label:single", lambda d: jsonl(d / "rows.jsonl", [{**r, label: single} for r in rows(task)]), (label,)))
+                "type:label:mixed",
+                rewritten(task, lambda i, r: {**r, label: word if i == 2 else ([i % 2] * 3 if nested else i % 2)}),
+                (label, "rows.jsonl"),
+            ),
+        ]
     out += [
         ("empty_file", lambda d: jsonl(d / "rows.jsonl", []), ("rows.jsonl",)),
         ("one_row", lambda d: jsonl(d / "rows.jsonl", rows(task, 1)), ("rows.jsonl",)),

@@ -43,12 +43,15 @@ def as_label(value: Any, where: Callable[[], str]) -> Any:
     )
 
 
-def ordered(values: set[Any]) -> list[Any]:
-    """Numbers sorted as numbers, texts as texts; a mix is a one-line error (1 and '1' would be two classes)."""
+def ordered(values: set[Any], column: str) -> list[Any]:
+    """Numbers sorted as numbers, texts as texts; a mix is a one-line error naming the column (1 and '1' would be two
+    classes)."""
     numbers = [v for v in values if not isinstance(v, str)]
     if numbers and len(numbers) < len(values):
         text = next(v for v in values if isinstance(v, str))
-        raise UserError(f"data.path: the labels mix numbers ({numbers[0]!r}) and text ({text!r}); write every label the same way")
+        raise UserError(
+            f"data.path: the labels of {column!r} mix numbers ({numbers[0]!r}) and text ({text!r}); write every label the same way"
+        )
     return sorted(values)
 
 
@@ -61,7 +64,7 @@ def label_ids(rows: Rows, nested: bool) -> tuple[list[str], list[Any], list[Any]
     if feature_names is not None:
         names, lookup = feature_names, {i: i for i in range(len(feature_names))}
     else:
-        classes = ordered({as_label(v, lambda: rows.where("train", i)) for i, v in flat["train"]})  # noqa: B023
+        classes = ordered({as_label(v, lambda: rows.where("train", i)) for i, v in flat["train"]}, rows.label)  # noqa: B023
         names, lookup = [str(v) for v in classes], {v: i for i, v in enumerate(classes)}
     ids = {}
     for split, pairs in flat.items():
