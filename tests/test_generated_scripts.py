@@ -115,6 +115,16 @@ def script_cases() -> list[Case]:
             if a.choices:
                 argv = command(parser, {**filled, a.dest: "no_such_choice"})
                 cases.append(Case(f"{script}:choice:{a.dest}", names(a), {**base, "argv": argv}))
+        every = tuple(n for a in actions for n in names(a))
+        cases.append(Case(f"{script}:nothing", every, {"script": script, "argv": []}))  # no argument at all
+        for a in [a for a in actions if reads(a)]:  # a source that is not there
+            cases.append(
+                Case(
+                    f"{script}:absent:{a.dest}",
+                    ("no_such_path",),
+                    {"script": script, "valid": True, "set": {a.dest: "{root}/no_such_path"}},
+                )
+            )
         destinations = [a for a in actions if writes(a)]
         for d in destinations:
             for s in [a for a in actions if reads(a)] + [o for o in destinations if o is not d]:
@@ -165,8 +175,11 @@ VALID = {
 }
 # Where a case is documented to succeed (case id -> the page that says so).
 SUCCESS = {
-    f"{script}:negative:seed": f"scripts/{script} --help: --seed seeds torch and random, which take any integer"
-    for script in ("sample.py", "make_tiny_chat_model.py")
+    **{
+        f"{script}:negative:seed": f"scripts/{script} --help: --seed seeds torch and random, which take any integer"
+        for script in ("sample.py", "make_tiny_chat_model.py")
+    },
+    "check_env.py:nothing": "scripts/check_env.py's docstring: `python scripts/check_env.py` checks this machine, one process",
 }
 # Known failures (case id -> why), each a strict xfail: the fix that mends one removes its line.
 KNOWN = {"estimate_memory.py:negative:device_gib": "a negative --device-gib is taken as is (fixed on a sibling branch of issue 34)"}

@@ -1,14 +1,16 @@
 """Generated bad task data (issue 34 item 3), in process: for every task of tasks/registry.py, rows in the columns
-it reads (its module's first LAYOUT; causal-lm: data.text_column), each corrupted one way: a column missing,
-renamed, or of the wrong type; a label the train rows never have, or a single label; a row without a value; an
-empty file, an empty validation split, a single row; a file of binary bytes or of truncated JSON. The image task:
-its imagefolder's corruptions. A new task with LAYOUTS is covered without a new test.
+it reads (its module's first LAYOUT; a task that reads data.source's data, causal-lm: data.text_column, and the
+columns of each other data.format: chat's messages, instruction's prompt and completion), each corrupted one way:
+a column missing, renamed, or of the wrong type; a label the train rows never have, a single label, labels of
+mixed kinds; a row without a value; an empty file, an empty validation split, a single row; a binary file of every
+format the readers take, truncated JSON. The image task: its imagefolder's corruptions (tests/test_image_data.py's
+folders). A new task with LAYOUTS, or a new data.format, is covered without a new test.
 
 Each case is what train.py's start does with the data: `load_config` on the task's settings, then
 `load_task_data` (tasks/registry.py), before any model is built. It must raise one line naming the column or the
 file (the CLI prints it as `error: ...`, exit 2), or be a documented success; never another exception; the data
 and model folders unchanged. Under -m slow every case that is an error also goes through train.py itself (exit 2
-and one `error:` line, as the CLI prints it).
+and one `error:` line, nothing else on stderr).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import pytest
 
 import hf_tiny
 from generated import Case, Unchanged, assert_message, assert_result, params, through_train_py
+from parallel_train.config.fields import fields_of
 from parallel_train.config.load import load_config
 from parallel_train.config.sections import DataConfig
 from parallel_train.data.inputs import LOCAL_FORMATS
@@ -33,17 +36,36 @@ CLASSES = ("no", "yes")
 ROWS = 40  # enough characters for a causal LM's validation windows of model.block_size
 
 
-def layout(task: str) -> tuple[tuple[str, ...], str | None]:
-    """The columns `task` reads first: its module's first LAYOUT; a task reading data/sources.py's text (causal-lm)
-    reads data.text_column."""
+def readers() -> list[str]:
+    """Every task, and a task that reads data.source's data (causal-lm) once per data.format: `task+format`."""
+    formats = fields_of(DataConfig())["format"].metadata["choices"]
+    return [f"{task}+{f}" if f != "text" else task for task in TASKS for f in (formats if TASKS[task].load is None else ("text",))]
+
+
+def task_format(reader: str) -> tuple[str, str]:
+    task, _, fmt = reader.partition("+")
+    return task, fmt or "text"
+
+
+def layout(reader: str) -> tuple[tuple[str, ...], str | None]:
+    """The columns a reader reads first: its task module's first LAYOUT; a task reading data/sources.py's data
+    (causal-lm) reads data.text_column, or the columns of its data.format."""
+    task, fmt = task_format(reader)
+    d = DataConfig()
+    if fmt != "text":
+        return ((d.messages_column,) if fmt == "chat" else (d.prompt_column, d.completion_column)), None
     module = importlib.import_module(f"parallel_train.tasks.{task.replace('-', '_')}")
     layouts = getattr(module, "LAYOUTS", None)
-    return layouts[0] if layouts else ((DataConfig().text_column,), None)
+    return layouts[0] if layouts else ((d.text_column,), None)
 
 
-def value(task: str, column: str, is_label: bool, i: int):
-    """Row i's value of a column: a list of words where the task reads words, their tags; a class name; else text."""
+def value(reader: str, column: str, is_label: bool, i: int):
+    """Row i's value of a column: a list of words where the task reads words, their tags; a class name; a
+    conversation; else text."""
+    task, _ = task_format(reader)
     words = [WORDS[(i + k) % len(WORDS)] for k in range(3)]
+    if column == DataConfig().messages_column:
+        return [{"role": "user", "content": " ".join(words)}, {"role": "assistant", "content": " ".join(reversed(words))}]
     if column in ("tokens",) or (is_label and task == "token-classification"):
         return words if not is_label else [CLASSES[(i + k) % 2] for k in range(3)]
     if is_label and TASKS[task].has_labels:
@@ -80,10 +102,10 @@ def corruptions(task: str) -> list[tuple[str, object, tuple[str, ...]]]:
         at = (c, "rows.jsonl")
         out.append((f"missing:{c}", rewritten(task, lambda i, r, c=c: {k: v for k, v in r.items() if k != c}), at))
         out.append((f"renamed:{c}", rewritten(task, lambda i, r, c=c: {(k + "_renamed" if k == c else k): v for k, v in r.items()}), at))
-        for kind, wrong in (("dict", {"a": 1}), ("number", 7))[: 1 if c == label and TASKS[task].has_labels else 2]:
+        for kind, wrong in (("dict", {"a": 1}), ("number", 7))[: 1 if c == label and TASKS[task_format(task)[0]].has_labels else 2]:
             out.append((f"type:{c}:{kind}", rewritten(task, lambda i, r, c=c, w=wrong: {**r, c: w}), at))
         out.append((f"null:{c}", rewritten(task, lambda i, r, c=c: {**r, c: None} if i == 3 else r), at))
-    if label and TASKS[task].has_labels:
+    if label and TASKS[task_format(task)[0]].has_labels:
         nested = task == "token-classification"  # one label per word
         unseen, single, word = (["never_seen"] * 3, [CLASSES[0]] * 3, ["a"] * 3) if nested else ("never_seen", CLASSES[0], "a")
         last = ROWS - 1
@@ -133,10 +155,15 @@ def image_corruptions() -> list[tuple[str, object, tuple[str, ...]]]:
 
 def task_cases() -> list[Case]:
     cases = []
-    for task in TASKS:
-        made = image_corruptions() if TASKS[task].main_input == "pixel_values" else corruptions(task)
+    for task in readers():
+        made = image_corruptions() if TASKS[task_format(task)[0]].main_input == "pixel_values" else corruptions(task)
         cases += [
-            Case(f"{task}:{what}", names, {"task": task, "write": write}, success=SUCCESS.get(what, SUCCESS.get(f"{task}:{what}", "")))
+            Case(
+                f"{task}:{what}",
+                names,
+                {"task": task, "write": write},
+                success=SUCCESS.get(what, SUCCESS.get(f"{task_format(task)[0]}:{what}", "")),
+            )
             for what, write, names in made
         ]
     return list({c.id: c for c in cases}.values())
@@ -156,7 +183,13 @@ def models(tmp_path_factory) -> dict[str, Path]:
     return {"root": root, "text": text}
 
 
-def settings(task: str, models: dict[str, Path]) -> list[str]:
+def settings(reader: str, models: dict[str, Path]) -> list[str]:
+    task, fmt = task_format(reader)
+    if fmt != "text":  # samples rendered by a chat template: a tokenizer folder that has one (no model needed)
+        if "chat" not in models:
+            hf_tiny.chat_tokenizer().save_pretrained(models["root"] / "chat")
+            models["chat"] = models["root"] / "chat"
+        return [f"data.format={fmt}", f"data.tokenizer={models['chat']}", "model.block_size=64"]
     if task == "causal-lm":
         return ["data.tokenizer=char"]
     if TASKS[task].main_input == "pixel_values":
@@ -166,20 +199,22 @@ def settings(task: str, models: dict[str, Path]) -> list[str]:
     return ["model.name=hf", f"model.hf_path={models['text']}"]
 
 
-# The default suite draws from the text tasks: an image case first makes a ViT (about 5 s); `-m slow` runs them all.
+# The default suite draws from the text tasks read as text: an image case first makes a ViT (about 5 s), a chat or
+# instruction one a chat tokenizer (2 s); `-m slow` runs them all.
 # Known failures (case id -> why), each a strict xfail: the fix that mends one removes its line.
 SINGLE = "a single class of text rows is accepted and trains a classifier that cannot fail (fixed on a sibling branch of issue 34)"
 KNOWN: dict[str, str] = {"sequence-classification:label:single": SINGLE, "token-classification:label:single": SINGLE}
 
 
-@pytest.mark.parametrize("case", params(task_cases(), KNOWN, default=10, cheap=lambda c: "image" not in c.data["task"]))
+@pytest.mark.parametrize(
+    "case", params(task_cases(), KNOWN, default=10, cheap=lambda c: "image" not in c.data["task"] and "+" not in c.data["task"])
+)
 def test_bad_task_data_is_one_line_naming_the_column_or_file(case, models, tmp_path, capsys, record_property):
-    task = case.data["task"]
     folder, argv = written(case, models, tmp_path)
     with Unchanged(folder, models["root"]):
         try:
             cfg, _ = load_config(argv)
-            load_task_data(cfg, TASKS[task], None)
+            load_task_data(cfg, TASKS[cfg.model.task], None)
             error = None
         except UserError as e:
             error = str(e)
@@ -193,10 +228,10 @@ def test_bad_task_data_is_one_line_naming_the_column_or_file(case, models, tmp_p
 
 def written(case: Case, models: dict[str, Path], tmp_path: Path) -> tuple[Path, list[str]]:
     """(the case's data folder, written; train.py's settings for it)."""
-    task, folder = case.data["task"], tmp_path / "data"
+    reader, folder = case.data["task"], tmp_path / "data"
     folder.mkdir()
     path = case.data["write"](folder)
-    return folder, [f"model.task={task}", *settings(task, models), f"data.path={path}", "model.block_size=24"]
+    return folder, [f"model.task={task_format(reader)[0]}", "model.block_size=24", *settings(reader, models), f"data.path={path}"]
 
 
 LAUNCHED = [c for c in task_cases() if not c.success]  # every case that is an error
