@@ -215,7 +215,7 @@ def test_every_script_has_valid_inputs():
 @pytest.mark.parametrize(
     "case",
     params(
-        [c if c.id not in SUCCESS else Case(c.id, c.names, c.data, SUCCESS[c.id]) for c in script_cases()], KNOWN, default=6, cheap=cheap
+        [c if c.id not in SUCCESS else Case(c.id, c.names, c.data, SUCCESS[c.id]) for c in script_cases()], KNOWN, default=4, cheap=cheap
     ),
 )
 def test_a_bad_command_line_is_one_line_naming_the_argument(case, inputs, record_property):

@@ -207,7 +207,7 @@ KNOWN: dict[str, str] = {"sequence-classification:label:single": SINGLE, "token-
 
 
 @pytest.mark.parametrize(
-    "case", params(task_cases(), KNOWN, default=10, cheap=lambda c: "image" not in c.data["task"] and "+" not in c.data["task"])
+    "case", params(task_cases(), KNOWN, default=6, cheap=lambda c: "image" not in c.data["task"] and "+" not in c.data["task"])
 )
 def test_bad_task_data_is_one_line_naming_the_column_or_file(case, models, tmp_path, capsys, record_property):
     folder, argv = written(case, models, tmp_path)
