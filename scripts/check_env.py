@@ -17,7 +17,6 @@ Exit code 0: all good. 1: a problem, named with its ranks and hosts. 2: bad argu
 
 from __future__ import annotations
 
-import argparse
 import fcntl
 import importlib.metadata
 import json
@@ -33,6 +32,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run from a clone, no install step
+from parallel_train.errors import OneLineParser  # noqa: E402 (errors.py imports nothing of the template)
 
 # The columns that must be equal on every rank (device names may differ on purpose: only a warning).
 VERSIONS = ("python", "torch", "cuda", "nccl", "gloo", "accelerate", "datasets")
@@ -278,13 +280,17 @@ def human(nbytes: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="8K,1M,16M", help="all-reduce sizes in bytes (K/M/G suffixes), comma-separated")
     parser.add_argument("--iters", type=int, default=5, help="timed all-reduces per size")
     parser.add_argument("--timeout", type=float, default=120, help="seconds to wait for every rank to join")
     parser.add_argument("--no-bench", action="store_true", help="skip the all-reduce timing")
     parser.add_argument("--json", help="rank 0 also writes the full report to this file")
     args = parser.parse_args(argv)
+    if args.iters < 1 or not args.timeout > 0:
+        parser.error(f"--iters must be >= 1 and --timeout > 0, got {args.iters} and {args.timeout:g}")
+    if args.json and not Path(args.json).resolve().parent.is_dir():  # written at the end: say it before the checks
+        parser.error(f"--json {args.json}: its folder does not exist; give a file in an existing folder")
     try:
         sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     except (ValueError, IndexError):

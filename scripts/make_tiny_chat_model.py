@@ -17,9 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))  # run from a clone, no install step
+from parallel_train.errors import OneLineParser  # noqa: E402 (errors.py imports nothing of the template)
+
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
@@ -28,7 +32,7 @@ CHATML = (
 
 
 def parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("model_dir", type=Path, help="the model folder to write (model.hf_path=MODEL_DIR)")
     p.add_argument("chats_file", type=Path, help="the jsonl of conversations to write (data.path=CHATS_FILE)")
     p.add_argument("--layers", type=int, default=2, help="decoder layers")
@@ -36,7 +40,27 @@ def parse() -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=512, help="token ids of the BPE (and rows of the embedding)")
     p.add_argument("--conversations", type=int, default=400, help="rows of the chat jsonl")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the conversations")
-    return p.parse_args()
+    args = p.parse_args()
+    for name in ("layers", "width", "vocab", "conversations"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name}: must be >= 1, got {getattr(args, name)}")
+    if args.width % 4 or args.vocab < 256 + len(SPECIALS):  # 4 attention heads; the BPE's byte alphabet and specials
+        p.error(f"--width must be a multiple of 4 and --vocab at least {256 + len(SPECIALS)}, got {args.width} and {args.vocab}")
+    check_destinations(p, args.model_dir, args.chats_file)
+    return args
+
+
+def check_destinations(p: argparse.ArgumentParser, model_dir: Path, chats_file: Path) -> None:
+    """MODEL_DIR a folder and CHATS_FILE a file, two different paths, each where a folder can be made: before anything
+    is trained or written."""
+    if model_dir.resolve() == chats_file.resolve():
+        p.error(f"MODEL_DIR and CHATS_FILE are the same path ({model_dir}); give a folder and a file")
+    for path, kind in ((model_dir, "a folder"), (chats_file, "a file")):
+        if path.exists() and path.is_dir() != (kind == "a folder"):
+            p.error(f"{path}: exists and is not {kind}")
+        above = next(a for a in path.resolve().parents if a.exists())
+        if not above.is_dir():
+            p.error(f"{path}: cannot be written under {above}, a file")
 
 
 def tokenizer(vocab: int, lines: list[str]):

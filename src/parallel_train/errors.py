@@ -15,11 +15,13 @@ count to reach the world size. Without any store every rank prints with its pref
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 import socket
 import sys
 import time
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -38,6 +40,15 @@ class UserError(Exception):
         if isinstance(message, str) and message.startswith("Caught ") and "\nOriginal Traceback" in message:
             message = message.rstrip().rsplit("\n", 1)[-1].split(": ", 1)[-1]
         super().__init__(message, *args)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser for a script that does not run under `run_cli`: a bad command line is one line, `error: ...`,
+    and exit 2, like train.py's (argparse's own prints its usage first, and `PROG: error: ...`)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        print(f"error: {message} (see --help)", file=sys.stderr, flush=True)
+        sys.exit(EXIT_USER_ERROR)
 
 
 class NoLauncher(UserError):

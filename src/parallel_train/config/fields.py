@@ -152,6 +152,8 @@ def check_section(section: Any, prefix: str) -> None:
     for f in dataclasses.fields(section):
         value, key = getattr(section, f.name), prefix + key_name(f.name)
         choices = f.metadata.get("choices")
+        if value == "" and isinstance(f.default, str) and f.default:  # '' means something only where it is the default
+            raise UserError(f"{key}: must not be empty; its default is {f.default!r}")
         if choices and value not in choices:
             raise UserError(f"{key}: must be one of {', '.join(choices)}, got {value!r}")
         if types_[f.name] in (int, float) and f.metadata:

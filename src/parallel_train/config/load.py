@@ -211,7 +211,6 @@ def validate(cfg: Config) -> None:
     )
 
     t, p = cfg.train, cfg.parallel
-    check(bool(cfg.data.path), "data.path: must not be empty")
     d = cfg.data
     check(
         d.format == "text" or not d.streaming,
@@ -237,7 +236,6 @@ def validate(cfg: Config) -> None:
         not p.stage_devices or len(p.stage_devices) == p.pipeline_stages,
         f"parallel.stage_devices: {len(p.stage_devices)} devices given for {p.pipeline_stages} pipeline stages; give one per stage",
     )
-    check(bool(cfg.output_dir), "output_dir: must not be empty")
 
 
 # ---------------------------------------------------------------- help and saving

@@ -31,6 +31,12 @@ KINDS = ".txt/.jsonl/.json/.csv/.parquet"
 PIECE_CHARS = 1 << 10
 
 
+def not_text(values: list) -> int | None:
+    """The index of the first value that is a dict or a list (a struct or a sequence column), which would be read as
+    its Python repr; None when every value is text, a number (its text: a csv column of numbers) or missing."""
+    return next((i for i, v in enumerate(values) if isinstance(v, (dict, list))), None)
+
+
 def loading_error(e: Exception, key: str, what: str, files: list[str] | tuple[str, ...] = ()) -> UserError:
     """One line for an error `datasets` raised while loading `what` (named by config key or option `key`); when a
     json file among `files` holds a malformed row, the line names that file and row."""

@@ -297,7 +297,10 @@ def prepare(opts: Options, print_fn=print) -> dict[str, Any] | None:
     created = not out.exists()
     work = out / WORK
     shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    try:
+        work.mkdir(parents=True)
+    except OSError as e:  # a path under a file, a read-only or full disk: before anything is read
+        raise UserError(f"--output {out}: cannot be written ({e.strerror}); give a folder you can write") from None
     try:
         meta = _prepare_into(out, work, sources, inputs_fingerprint, opts)
     except BaseException:  # a bad input found late: what the folder held stays, the scratch space goes

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from parallel_train.config.sections import Config, DataConfig
 from parallel_train.data.batch import with_labels
 from parallel_train.data.batch_sampler import GlobalBatchSampler
-from parallel_train.data.inputs import LOCAL_FORMATS, describe_folder, load_source, loading_error, resolve_inputs
+from parallel_train.data.inputs import LOCAL_FORMATS, describe_folder, load_source, loading_error, not_text, resolve_inputs
 from parallel_train.data.permutation import SeededPermutation
 from parallel_train.data.tokenizers import ByteVocab, Tokenizer, load_tokenizer, needs_corpus
 from parallel_train.errors import UserError
@@ -67,7 +67,17 @@ def joined_column(ds, cfg: DataConfig) -> str:
     """data.text_column's rows joined by newlines."""
     if cfg.text_column not in ds.column_names:
         raise UserError(f"data.text_column: {cfg.text_column!r} is not a column of {cfg.path!r}; columns: {', '.join(ds.column_names)}")
-    return "\n".join(str(t) for t in ds[cfg.text_column] if t is not None)
+    return "\n".join(texts(ds[cfg.text_column], cfg, cfg.path))
+
+
+def texts(values: list, cfg: DataConfig, where: str) -> list[str]:
+    """A column's rows as text, the rows without any (null) left out; a dict or a list is one line naming the row."""
+    if (i := not_text(values)) is not None:
+        raise UserError(
+            f"data.text_column: row {i + 1} of {where!r} holds a {type(values[i]).__name__} in {cfg.text_column!r}, not text; "
+            "name a column of text with data.text_column"
+        )
+    return [str(t) for t in values if t is not None]
 
 
 def read_folder(cfg: DataConfig) -> tuple[str, str]:
@@ -77,7 +87,7 @@ def read_folder(cfg: DataConfig) -> tuple[str, str]:
     sources = resolve_inputs([cfg.path], key="data.path")
     parts = []
     for src in sources:
-        rows = [str(t) for t in load_source(src, cfg.text_column, None, column_key="data.text_column")["text"] if t is not None]
+        rows = texts(load_source(src, cfg.text_column, None, column_key="data.text_column")["text"], cfg, src.label)
         parts.append("\n".join(rows) if src.documents else "".join(rows))
     return "\n".join(parts), describe_folder(Path(cfg.path), sources)
 

@@ -43,12 +43,15 @@ def as_label(value: Any, where: Callable[[], str]) -> Any:
     )
 
 
-def ordered(values: set[Any]) -> list[Any]:
-    """Numbers sorted as numbers, texts as texts; a mix is a one-line error (1 and '1' would be two classes)."""
+def ordered(values: set[Any], column: str) -> list[Any]:
+    """Numbers sorted as numbers, texts as texts; a mix is a one-line error naming the column (1 and '1' would be two
+    classes)."""
     numbers = [v for v in values if not isinstance(v, str)]
     if numbers and len(numbers) < len(values):
         text = next(v for v in values if isinstance(v, str))
-        raise UserError(f"data.path: the labels mix numbers ({numbers[0]!r}) and text ({text!r}); write every label the same way")
+        raise UserError(
+            f"data.path: the labels of {column!r} mix numbers ({numbers[0]!r}) and text ({text!r}); write every label the same way"
+        )
     return sorted(values)
 
 
@@ -77,7 +80,7 @@ def label_ids(rows: Rows, nested: bool, head: list[str] | None = None) -> tuple[
     if feature_names is not None:
         data_names, named = feature_names, dict(enumerate(feature_names))  # ids already: id i is feature_names[i]
     else:
-        classes = ordered({as_label(v, lambda: rows.where("train", i)) for i, v in flat["train"]})  # noqa: B023
+        classes = ordered({as_label(v, lambda: rows.where("train", i)) for i, v in flat["train"]}, rows.label)  # noqa: B023
         data_names, named = [str(v) for v in classes], {v: str(v) for v in classes}
     names = with_head(data_names, head)
     at = {name: i for i, name in enumerate(names)}

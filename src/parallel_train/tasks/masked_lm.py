@@ -23,7 +23,16 @@ import torch
 from parallel_train.errors import UserError
 from parallel_train.losses import IGNORE_INDEX
 from parallel_train.tasks.task import Task
-from parallel_train.tasks.text_rows import EncodedRows, Encoder, check_text_columns, read_rows, special_id, task_data, task_tokenizer
+from parallel_train.tasks.text_rows import (
+    EncodedRows,
+    Encoder,
+    check_text_columns,
+    column_texts,
+    read_rows,
+    special_id,
+    task_data,
+    task_tokenizer,
+)
 
 NAME = "masked-lm"
 LAYOUTS = ((("text",), None),)
@@ -82,7 +91,7 @@ def load(cfg: Any, saved: Any) -> Any:
     encoder = Encoder.of(tokenizer, cfg.model.block_size)
 
     def encoded(part: dict[str, list], split: str) -> MaskedRows:
-        encodings = encoder.encode([str(t) for t in part[rows.texts[0]]])
+        encodings = encoder.encode(column_texts(rows, part, rows.texts[0], split))
         arrays = encoder.arrays(encodings)
         special = np.asarray([e.special_tokens_mask for e in encodings], dtype=bool) | (arrays["attention_mask"] == 0)
         masking = dict(seed=cfg.train.seed, split=split, p=cfg.data.mlm_probability, mask_id=mask_id, vocab_size=tokenizer.size)

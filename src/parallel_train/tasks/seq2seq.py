@@ -26,6 +26,7 @@ from parallel_train.tasks.text_rows import (
     Rows,
     check_text_columns,
     choose_columns,
+    column_texts,
     first_columns,
     read_rows,
     task_data,
@@ -103,7 +104,7 @@ def reads_languages(cfg: Any) -> bool:
 def texts_of(rows: Rows, part: dict[str, list], split: str, d: Any) -> tuple[list[str], list[str]]:
     """(sources, targets) of the rows: two columns, or each row's translation dict at the two languages."""
     if rows.label is not None:
-        return [str(t) for t in part[rows.texts[0]]], [str(t) for t in part[rows.label]]
+        return column_texts(rows, part, rows.texts[0], split), column_texts(rows, part, rows.label, split)
     column = part[rows.texts[0]]
     first = column[0] if isinstance(column[0], dict) else {}
     if not d.source_lang or not d.target_lang:

@@ -15,7 +15,7 @@ import numpy as np
 
 from parallel_train.tasks.label_names import head_names, label_ids, names_file
 from parallel_train.tasks.task import Task
-from parallel_train.tasks.text_rows import EncodedRows, Encoder, check_text_columns, read_rows, task_data, task_tokenizer
+from parallel_train.tasks.text_rows import EncodedRows, Encoder, check_text_columns, column_texts, read_rows, task_data, task_tokenizer
 
 NAME = "sequence-classification"
 LAYOUTS = ((("sentence1", "sentence2"), "label"), (("sentence",), "label"), (("text",), "label"))
@@ -29,13 +29,13 @@ def load(cfg: Any, saved: Any) -> Any:
     names, train_labels, val_labels = label_ids(rows, nested=False, head=head_names(cfg))
     encoder = Encoder.of(tokenizer, cfg.model.block_size)
 
-    def encoded(part: dict[str, list], labels: list[int]) -> EncodedRows:
-        texts = [[str(t) for t in part[c]] for c in rows.texts]
+    def encoded(part: dict[str, list], labels: list[int], split: str) -> EncodedRows:
+        texts = [column_texts(rows, part, c, split) for c in rows.texts]
         inputs = list(zip(*texts, strict=True)) if len(texts) == 2 else texts[0]
         arrays = encoder.arrays(encoder.encode(inputs), pairs=len(texts) == 2)
         return EncodedRows({**arrays, "labels": np.asarray(labels, dtype=np.int32)})
 
-    train, val = encoded(rows.train, train_labels), encoded(rows.val, val_labels)
+    train, val = encoded(rows.train, train_labels, "train"), encoded(rows.val, val_labels, "validation")
     return task_data(cfg, tokenizer, rows, train, val, files=names_file(names), label_names=names, all_targets_count=True)
 
 

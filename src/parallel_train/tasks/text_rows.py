@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from parallel_train.data.inputs import folder_splits, loading_error, resolve_inputs, row_datasets
+from parallel_train.data.inputs import folder_splits, loading_error, not_text, resolve_inputs, row_datasets
 from parallel_train.data.text import Data, check_resumed_tokenizer, vocab_size_for
 from parallel_train.data.tokenizers import HFTokenizer, Tokenizer, load_tokenizer, needs_corpus
 from parallel_train.errors import UserError
@@ -175,6 +175,17 @@ def check_filled(rows: Rows) -> None:
         for column, values in part.items():
             if (i := next((i for i, v in enumerate(values) if v is None), None)) is not None:
                 raise UserError(f"data.path: {rows.where(split, i)} has no {column!r}; fill it in or remove the row")
+
+
+def column_texts(rows: Rows, part: dict[str, list], column: str, split: str) -> list[str]:
+    """A text column's values as text (a number is its text); a dict or a list is one line naming the row."""
+    values = part[column]
+    if (i := not_text(values)) is not None:
+        raise UserError(
+            f"data.path: {rows.where(split, i)} holds a {type(values[i]).__name__} in {column!r}, not text; give text, or name "
+            "the columns of text with data.text_columns"
+        )
+    return [str(t) for t in values]
 
 
 def check_text_columns(d: Any, task: str, counts: tuple[int, ...]) -> None:
