@@ -347,3 +347,17 @@ def test_bad_task_data_is_one_line(tmp_path, tok, places, task, rows, keys, expe
     with pytest.raises(UserError) as e:
         load(task, path, keys.pop("data__tokenizer", tok), **keys)
     assert "\n" not in str(e.value) and re.match(expected, str(e.value)), str(e.value)
+
+
+def test_blank_lines_of_a_text_file_are_dropped_as_run_mlm_drops_them(tmp_path, tok):
+    """masked-lm, line by line: an empty or whitespace-only line is no sample (nothing to learn), in train and in
+    validation rows alike; the banner says how many went. Only blank lines: one line."""
+    lines = ["hear me speak", "", "   ", "first citizen", "\t", "speak all", "", "we proceed"]
+    (tmp_path / "lines.txt").write_text("\n".join(lines) + "\n")
+    data = load("masked-lm", tmp_path / "lines.txt", tok, data__val_fraction=0.25)  # the last 2 lines: "", "we proceed"
+    assert (len(data.train_set), len(data.val_set)) == (3, 1)
+    assert (batch(data.train_set)["attention_mask"].sum(dim=1) > 2).all(), "every sample holds more than [CLS] [SEP]"
+    assert "4 blank rows dropped" in data.description
+    (tmp_path / "blank.txt").write_text("\n \n\n\n")
+    with pytest.raises(UserError, match="every train row's 'text' is blank"):
+        load("masked-lm", tmp_path / "blank.txt", tok)

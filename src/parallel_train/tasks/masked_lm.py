@@ -1,6 +1,7 @@
 """Masked language modelling (run_mlm's layout, line by line): predict the masked tokens of each text.
 
-Rows: `text` (a .txt file: one row per line; another column with data.text_columns=[c]). Each row is one sample,
+Rows: `text` (a .txt file: one row per line; another column with data.text_columns=[c]); a blank row (empty or
+whitespace only) is dropped, as run_mlm's line_by_line drops it. Each row is one sample,
 encoded with the tokenizer's special tokens ([CLS] text [SEP]), cut and padded to model.block_size. Of its tokens
 (never a special token or padding) data.mlm_probability are chosen, as transformers'
 DataCollatorForLanguageModeling chooses them: 80% become the mask token, 10% a random token, 10% stay; the labels
@@ -23,7 +24,16 @@ import torch
 from parallel_train.errors import UserError
 from parallel_train.losses import IGNORE_INDEX
 from parallel_train.tasks.task import Task
-from parallel_train.tasks.text_rows import EncodedRows, Encoder, check_text_columns, read_rows, special_id, task_data, task_tokenizer
+from parallel_train.tasks.text_rows import (
+    EncodedRows,
+    Encoder,
+    check_text_columns,
+    drop_blank,
+    read_rows,
+    special_id,
+    task_data,
+    task_tokenizer,
+)
 
 NAME = "masked-lm"
 LAYOUTS = ((("text",), None),)
@@ -71,7 +81,7 @@ class MaskedRows(EncodedRows):
 def load(cfg: Any, saved: Any) -> Any:
     """Data of dict batches: input_ids (masked), attention_mask, labels (B, T)."""
     check_text_columns(cfg.data, NAME, (1,))
-    rows = read_rows(cfg, LAYOUTS, NAME)
+    rows = drop_blank(read_rows(cfg, LAYOUTS, NAME))
     tokenizer = task_tokenizer(cfg, saved, NAME)
     mask_id = special_id(tokenizer.tokenizer, MASK_TOKENS)
     if mask_id is None:

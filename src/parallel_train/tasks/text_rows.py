@@ -141,6 +141,20 @@ def check_filled(rows: Rows) -> None:
                 raise UserError(f"data.path: {rows.where(split, i)} has no {column!r}; fill it in or remove the row")
 
 
+def drop_blank(rows: Rows) -> Rows:
+    """The rows whose text is more than whitespace (a .txt file's blank lines hold nothing to learn: run_mlm's
+    line_by_line drops them too), after the train/validation split as run_mlm drops them; the banner says how many."""
+    column = rows.texts[0]
+    parts, dropped = {}, 0
+    for split, part in (("train", rows.train), ("validation", rows.val)):
+        kept = [i for i, v in enumerate(part[column]) if str(v).strip()]
+        if not kept:
+            raise UserError(f"data.path: every {split} row's {column!r} is blank (of {len(part[column])}); give rows with text")
+        parts[split], dropped = {c: [v[i] for i in kept] for c, v in part.items()}, dropped + len(part[column]) - len(kept)
+    how = rows.how + (f"; {dropped:,} blank row{'s' * (dropped > 1)} dropped" if dropped else "")
+    return Rows(rows.texts, rows.label, parts["train"], parts["validation"], rows.features, how, rows.starts, rows.files)
+
+
 def check_text_columns(d: Any, task: str, counts: tuple[int, ...]) -> None:
     """data.text_columns names as many columns as the task reads."""
     if d.text_columns and len(d.text_columns) not in counts:
