@@ -111,6 +111,46 @@ def test_a_pretrained_body_gets_a_new_head_with_a_notice(folders, tmp_path):
     assert torch.equal(same.hf.classifier.weight, load_file(str(folders["bert-classifier"] / "model.safetensors"))["classifier.weight"])
 
 
+def dropout_ps(model: HFModel) -> set[float]:
+    """Every dropout probability the built model holds: its Dropout modules' and its attention's."""
+    modules = [m.p for m in model.hf.modules() if isinstance(m, torch.nn.Dropout)]
+    return {*modules, *(m.dropout_prob for m in model.hf.modules() if hasattr(m, "dropout_prob"))}
+
+
+def test_model_dropout_sets_every_dropout_of_a_hub_model_and_unset_leaves_the_folders(tmp_path, capsys):
+    """model.dropout on model.name=hf: BERT's hidden, attention and classifier dropout (and any architecture's keys
+    holding "dropout" or "pdrop") take it, so layouts compare at dropout 0 as docs/configuration.md says; not given,
+    the folder's own values stay (here 0.1, BERT's)."""
+    from parallel_train.config.load import load_config
+    from parallel_train.models.hf_loading import dropout_keys
+
+    folder = hf_tiny.save_task_model(
+        hf_tiny.bert_config(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, classifier_dropout=None), "AutoModel", tmp_path / "b"
+    )
+    kept = HFModel(HFConfig(name="hf", hf_path=str(folder), block_size=T, task="sequence-classification"), hf_tiny.VOCAB, hf_tiny.LABELS)
+    assert dropout_ps(kept) == {0.1} and kept.hf.config.attention_probs_dropout_prob == 0.1
+    for p in (0.0, 0.25):
+        model = HFModel(
+            HFConfig(name="hf", hf_path=str(folder), block_size=T, task="sequence-classification", dropout=p), hf_tiny.VOCAB, hf_tiny.LABELS
+        )
+        config = model.hf.config
+        assert dropout_ps(model) == {p} and (
+            config.hidden_dropout_prob,
+            config.attention_probs_dropout_prob,
+            config.classifier_dropout,
+        ) == (p, p, p)
+        inputs = batch("sequence-classification")
+        assert torch.equal(call(model.train(), inputs), call(model, inputs)) == (p == 0)  # training: dropout draws, or none
+    assert dropout_keys(hf_tiny.gpt2_config()) == ["resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout"]
+    assert dropout_keys(hf_tiny.t5_config()) == ["dropout_rate", "classifier_dropout"]
+    # The key: unset by default (distinct from 0), a number in [0, 1) when given, no "ignoring" notice; GPT's stays 0.
+    hf = ["model.name=hf", f"model.hf_path={folder}"]
+    assert load_config(hf)[0].model.dropout is None and load_config([*hf, "model.dropout=0.2"])[0].model.dropout == 0.2
+    assert "ignoring" not in capsys.readouterr().err and load_config([])[0].model.dropout == 0.0
+    with pytest.raises(UserError, match=r"model.dropout: must be in \[0, 1\), got 1.0"):
+        load_config([*hf, "model.dropout=1"])
+
+
 def test_a_causal_lm_given_an_attention_mask_runs_its_own_forward(tmp_path):
     """A causal LM's dict batch with padding: the mask reaches transformers' own forward (the pipeline layouts pass only
     the ids)."""

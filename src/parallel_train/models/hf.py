@@ -65,6 +65,9 @@ class HFConfig(ModelConfig):
         "transformers attention kernel (packed samples kept apart by each: flash_attention_2 and flex_attention on GPUs)",
         choices=("sdpa", "eager", "flash_attention_2", "flex_attention"),
     )
+    dropout: float | None = opt(
+        None, "every dropout probability its config names (hidden, attention, classifier, ...); unset: the folder's own", min=0.0, below=1.0
+    )
     untie_embeddings: bool = opt(False, "give lm_head its own copy of a tied input embedding (trained apart, exported untied)")
     activation_checkpointing: str = mode_field()  # none | full | selective, per decoder layer (models/activation_checkpoint.py)
     selective_ac: str = option_field()
@@ -110,6 +113,8 @@ class HFModel(nn.Module):
         hf_loading.check_task(config, cfg.task, cfg.hf_path)
         hf_loading.check_sizes(config, cfg.hf_path, vocab_size, cfg.block_size, cfg.vocab_size)
         hf_loading.set_labels(config, label_names)
+        if cfg.dropout is not None:
+            hf_loading.set_dropout(config, cfg.dropout)
         hf = hf_loading.build_model(config, cfg.task, cfg.hf_path, cfg.dtype, cfg.attn_implementation)
         # Weights whose first values are another's in the files: stored under an older name (hf_loading.file_keys), an
         # untied lm_head that starts as the embedding, a LoRA-wrapped layer's base weight.
