@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import hf_tiny
-from helpers import WarmCmd, check, launch_env, run, summary, train_losses, warm_script
+from helpers import REPO, WarmCmd, check, launch_env, run, summary, train_losses, warm_script
 from parallel_train.checkpoint.export import load_weights
 from parallel_train.errors import UserError
 from parallel_train.models.hf import HFConfig, HFModel
@@ -149,6 +149,27 @@ def test_model_dropout_sets_every_dropout_of_a_hub_model_and_unset_leaves_the_fo
     assert "ignoring" not in capsys.readouterr().err and load_config([])[0].model.dropout == 0.0
     with pytest.raises(UserError, match=r"model.dropout: must be in \[0, 1\), got 1.0"):
         load_config([*hf, "model.dropout=1"])
+
+
+def test_the_guides_bert_download_keeps_its_trained_pooler_for_the_classifier(tmp_path):
+    """docs/guide.md's line that saves bert-base-cased for the recipes, run on a tiny BERT that transformers wrote with
+    every pretrained head (its pooler trained, as the Hub's is): the classifier built from the saved folder starts from
+    that pooler, only its classifier new; the tagger and the masked LM read the same folder (the MLM head kept)."""
+    lines = {line for line in (REPO / "docs" / "guide.md").read_text().splitlines() if "from_pretrained('bert-base-cased')" in line}
+    assert len(lines) == 1, lines  # the NLP and the NER recipes save it alike
+    code = next(iter(lines)).split('python -c "')[1].split('"')[0]
+    hub, saved = tmp_path / "hub", tmp_path / "models" / "bert"
+    hf_tiny.save_task_model(hf_tiny.bert_config(), "AutoModelForPreTraining", hub)
+    hf_tiny.bert_tokenizer().save(str(hub / "tokenizer.json"))
+    exec(code.replace("'models/bert-base-cased'", repr(str(saved))).replace("'bert-base-cased'", repr(str(hub))), {})
+    pooler = {k: v for k, v in load_file(str(hub / "model.safetensors")).items() if ".pooler." in k}
+    assert len(pooler) == 2
+    classifier = started(saved, "sequence-classification", hf_tiny.LABELS)
+    assert classifier.new_weights == ["classifier.weight", "classifier.bias"]
+    for name, weight in pooler.items():
+        assert torch.equal(classifier.state_dict()[name], weight), name
+    assert started(saved, "token-classification", hf_tiny.LABELS).new_weights == ["classifier.weight", "classifier.bias"]
+    assert started(saved, "masked-lm").new_weights == []
 
 
 def test_a_causal_lm_given_an_attention_mask_runs_its_own_forward(tmp_path):
