@@ -67,6 +67,9 @@ class HFConfig(ModelConfig):
         "eager for a model without sdpa (a ResNet)",
         choices=("sdpa", "eager", "flash_attention_2", "flex_attention"),
     )
+    dropout: float | None = opt(
+        None, "every dropout probability its config names (hidden, attention, classifier, ...); unset: the folder's own", min=0.0, below=1.0
+    )
     untie_embeddings: bool = opt(False, "give lm_head its own copy of a tied input embedding (trained apart, exported untied)")
     new_head: bool = opt(
         False, "a classifier: start its head anew with the data's class names; false: its rows keep their names (hf_head.py)"
@@ -120,6 +123,8 @@ class HFModel(nn.Module):
         hf_loading.check_task(config, cfg.task, cfg.hf_path)
         hf_loading.check_sizes(config, cfg.hf_path, vocab_size, cfg.block_size, cfg.vocab_size)
         hf_loading.set_labels(config, label_names)
+        if cfg.dropout is not None:
+            hf_loading.set_dropout(config, cfg.dropout)
         hf = hf_loading.build_model(config, cfg.task, cfg.hf_path, cfg.dtype, cfg.attn_implementation)
         # Weights whose first values are another's in the files: stored under an older name (hf_loading.file_keys), an
         # untied lm_head that starts as the embedding, a LoRA-wrapped layer's base weight.

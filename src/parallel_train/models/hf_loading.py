@@ -200,6 +200,30 @@ def check_kernel(config: Any, task: str, attn_implementation: str | None) -> Non
         )
 
 
+def dropout_keys(config: Any) -> list[str]:
+    """The config's dropout probabilities by name, sub-configs' included (text_config.attention_dropout): every
+    attribute whose name holds "dropout" or ends in "pdrop" (GPT-2's resid_pdrop) and holds a number or None (BERT's
+    classifier_dropout: None follows hidden_dropout_prob)."""
+    keys = []
+    for name, value in vars(config).items():
+        if hasattr(value, "to_dict") and hasattr(value, "model_type"):  # a sub-config (PreTrainedConfig)
+            keys += [f"{name}.{k}" for k in dropout_keys(value)]
+        elif ("dropout" in name or name.endswith("pdrop")) and (value is None or type(value) in (int, float)):
+            keys.append(name)
+    return keys
+
+
+def set_dropout(config: Any, p: float) -> None:
+    """model.dropout on a Hub model: every dropout probability its config names (dropout_keys) set to `p` before the
+    model is built, as a script's config overrides set them (transformers reads them when it builds the layers)."""
+    for key in dropout_keys(config):
+        *parents, name = key.split(".")
+        node = config
+        for parent in parents:
+            node = getattr(node, parent)
+        setattr(node, name, p)
+
+
 def build_model(config: Any, task: str, hf_path: str, dtype: str, attn_implementation: str | None = None) -> torch.nn.Module:
     """The task's `AutoModelFor....from_config` (AUTO_CLASSES): the architecture, with random weights (seeded by the caller) or, built
     under model_init.parameters_on_meta, none at all; pretrained weights come from `weight_files`."""
