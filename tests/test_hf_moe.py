@@ -4,7 +4,9 @@
 In process: the weights load as from_pretrained loads them (its converters fuse the experts), on the meta-device
 start the trainer uses and built whole, with equal logits and first-batch loss; a rank that holds some experts reads
 only theirs; the export writes the per-expert layout back, which from_pretrained reloads with equal logits; MFU counts
-the active parameters. One real run (Qwen3-MoE, 1 process) with no update: its hf/ equals the original.
+the active parameters. One real run (Qwen3-MoE, 1 process) with no update: its hf/ equals the original. With -m slow:
+Mixtral and DeepSeek-V3 in process, Mixtral under FSDP2 on 2 ranks (each reads its experts) equal to one process, and
+a Mixtral fine-tune whose export holds what it trained.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import hf_tiny
-from helpers import check, launch_env, run, warm_cmd
+from helpers import check, launch_env, run, train_losses, warm_cmd
 from parallel_train.models.hf import HFConfig, HFModel
 from parallel_train.parallel.model_init import start_model
 
@@ -153,12 +155,8 @@ def test_mfu_and_the_banner_count_the_active_parameters(moe_folders):
     assert dense.active_params() == total
 
 
-@pytest.mark.multiprocess
-def test_a_run_without_update_exports_the_original_logits(tmp_path):
-    """1 process, Qwen3-MoE from its weights, a learning rate too small to move a float32 weight: the run loads the
-    per-expert files, trains, names its active parameters, and its hf/ loads in transformers with the original's logits."""
-    folder = save("qwen3_moe", tmp_path / "qwen3_moe")
-    out = tmp_path / "run"
+def launch(folder, out, nproc: int = 1, *extra: str):
+    """A run of `folder` from its weights, data.tokenizer=byte; `extra` overrides."""
     overrides = (
         "model.name=hf",
         f"model.hf_path={folder}",
@@ -167,7 +165,7 @@ def test_a_run_without_update_exports_the_original_logits(tmp_path):
         "train.batch_size=2",
         "train.max_steps=2",
         "train.warmup_steps=0",
-        "train.learning_rate=1e-30",
+        "train.learning_rate=1e-30",  # too small to move a float32 weight: a run with no update
         "train.min_lr=0",
         "train.weight_decay=0",
         "train.log_interval=1",
@@ -177,10 +175,57 @@ def test_a_run_without_update_exports_the_original_logits(tmp_path):
         "checkpoint.interval=2",
         "tracker=none",
         f"output_dir={out}",
+        *extra,
     )
-    result = check(run(warm_cmd(1, *overrides), env=launch_env(tmp_path)))
-    assert "active per token" in result.output and f"Hugging Face model folder: {out / 'hf'}" in result.output
-    original = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    return check(run(warm_cmd(nproc, *overrides), env=launch_env(out.parent), timeout=600))
+
+
+def assert_logits_equal(a, b) -> None:
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            transformers.AutoModelForCausalLM.from_pretrained(a)(x).logits,
+            transformers.AutoModelForCausalLM.from_pretrained(b)(x).logits,
+            rtol=0,
+            atol=1e-5,
+        )
+
+
+@pytest.mark.multiprocess
+def test_a_run_without_update_exports_the_original_logits(tmp_path):
+    """1 process, Qwen3-MoE from its per-expert files: the run trains, names its active parameters, and its hf/ loads
+    in transformers with the original's logits."""
+    folder = save("qwen3_moe", tmp_path / "qwen3_moe")
+    result = launch(folder, tmp_path / "run")
+    assert "active per token" in result.output and f"Hugging Face model folder: {tmp_path / 'run' / 'hf'}" in result.output
+    assert_logits_equal(tmp_path / "run" / "hf", folder)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_fsdp2_ranks_read_their_experts_and_equal_one_process(tmp_path):
+    """FSDP2 over 2 ranks shards each fused expert tensor by rows (experts 0-1, 2-3), which each rank reads from the
+    per-expert files alone: the same losses as one process, and an export with the original's logits."""
+    folder = save("mixtral", tmp_path / "mixtral")
+    one = launch(folder, tmp_path / "one", 1, "train.batch_size=4")
+    two = launch(folder, tmp_path / "two", 2, "parallel.dp_shard=2")
+    assert "device mesh (FSDP2" in two.output
+    got, want = train_losses(tmp_path / "two"), train_losses(tmp_path / "one")
+    assert got.keys() == want.keys() and all(got[s] == pytest.approx(want[s], abs=1e-5) for s in want), (got, want, one.output[-500:])
+    assert_logits_equal(tmp_path / "two" / "hf", folder)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_mixtral_fine_tunes_from_its_weights_and_exports_what_it_trained(tmp_path):
+    """A learning rate that moves the weights: the loss falls, and the exported folder holds the run's weights."""
+    folder = save("mixtral", tmp_path / "mixtral")
+    out = tmp_path / "run"
+    launch(folder, out, 1, "train.learning_rate=1e-2", "train.max_steps=6", "eval.interval=6", "checkpoint.interval=6")
+    losses = train_losses(out)
+    assert losses[6] < losses[1], losses
+    model = HFModel(config(folder), hf_tiny.VOCAB)
+    model.load_state_dict(load_file(str(out / "model.safetensors")))
     exported = transformers.AutoModelForCausalLM.from_pretrained(out / "hf")
     with torch.no_grad():
-        torch.testing.assert_close(exported(tokens()).logits, original(tokens()).logits, rtol=0, atol=1e-5)
+        torch.testing.assert_close(exported(tokens()).logits, model(tokens()), rtol=0, atol=1e-5)

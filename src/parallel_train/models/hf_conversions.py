@@ -115,12 +115,12 @@ class ConvertedTensors:
 
         conversion = self.conversions[name]
         rows = region[0] if region is not None and conversion.per_expert() else slice(None)
-        tensors: dict[str, list[torch.Tensor]] = {}
-        for pattern, keys in conversion.sources.items():
-            tensors[pattern] = []
-            for f, key in keys[rows]:
-                with safe_open(str(f), framework="pt") as handle:
-                    tensors[pattern].append(handle.get_tensor(key))
+        wanted = {pattern: keys[rows] for pattern, keys in conversion.sources.items()}
+        loaded: dict[str, torch.Tensor] = {}
+        for f in dict.fromkeys(f for keys in wanted.values() for f, _ in keys):  # each file opened once
+            with safe_open(str(f), framework="pt") as handle:
+                loaded.update({key: handle.get_tensor(key) for keys in wanted.values() for g, key in keys if g == f})
+        tensors = {pattern: [loaded[key] for _, key in keys] for pattern, keys in wanted.items()}
         value = conversion.convert(name, tensors, self.model)
         if region is None:
             return value
