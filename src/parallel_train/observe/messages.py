@@ -31,8 +31,8 @@ def engine_lines(engine: Any, train: Any, global_batch: int, params: dict[str, i
     active = params.get("active_params", total)
     if active < total:  # a mixture of experts: what MFU counts (6 FLOPs per active parameter per token, plus attention)
         lines.append(
-            f"[parallel_train] mixture of experts: {active:,} of {total:,} parameters active per token ({100 * active / total:.1f}%: "
-            "the routed experts each token is sent to); MFU counts these"
+            f"[parallel_train] mixture of experts: {active:,} of {total:,} parameters active per token ({100 * active / total:.1f}%: a token "
+            "runs only the routed experts it is sent to); MFU counts these"
         )
     return lines
 
