@@ -152,6 +152,8 @@ class Trainer:
             "trainable_params": sum(p.numel() for p in params if p.requires_grad),
             "total_params": sum(p.numel() for p in params),
         }
+        if hasattr(model, "active_params"):  # a mixture of experts: each token runs top-k of its routed experts (models/hf_moe.py)
+            self.params["active_params"] = model.active_params()
         self.base_model = model.base_model() if hasattr(model, "base_model") else None  # what LoRA checkpoints need
         if isinstance(init, Whole) and splits_the_model(cfg, self.accelerator.num_processes):
             say(

@@ -250,8 +250,9 @@ def file_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
 def file_keys(model: torch.nn.Module, files: list[Path]) -> dict[str, str]:
     """{the model's name: the name in the files} where the two differ, as from_pretrained renames them: transformers'
     own renamings of older checkpoints (a ViT's `encoder.layer.0.attention.attention.query` is `layers.0.attention.q_proj`
-    now) and the base model's prefix (a BertModel's `embeddings...` is a classifier's `bert.embeddings...`).
-    A checkpoint whose tensors transformers would reshape on loading (merged experts, ...) is refused in one line."""
+    now, Mixtral's `block_sparse_moe.gate` is `mlp.gate`) and the base model's prefix (a BertModel's `embeddings...` is a
+    classifier's `bert.embeddings...`). Tensors that transformers makes from several (a layer's experts, fused) are
+    hf_conversions.py's."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
@@ -262,22 +263,20 @@ def file_keys(model: torch.nn.Module, files: list[Path]) -> dict[str, str]:
     names = {}
     for key in file_shapes(files):
         name, converted = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
-        if converted is not None:
-            raise UserError(
-                f"model weights: {key!r} is stored in a layout transformers converts on loading ({converted}), which this "
-                "template does not read; save the model again with this transformers version (save_pretrained)"
-            )
-        if name != key and name in meta:
+        if converted is None and name != key and name in meta:
             names[name] = key
     return names
 
 
-def new_weights(model: torch.nn.Module, files: list[Path], aliases: dict[str, str]) -> list[str]:
+def new_weights(
+    model: torch.nn.Module, files: list[Path], aliases: dict[str, str], converted: dict[str, tuple[int, ...]] | None = None
+) -> list[str]:
     """The model's weights that the files do not give, as from_pretrained finds them: absent (a new head on a
     pretrained body: `classifier.weight`) or of another shape (a classifier of another number of labels). They start
     from transformers' own initialisation. Tensors of the files that the model lacks (a masked-LM head) are ignored.
-    `aliases`: {name: the name whose tensor it starts as} (tied weights, renamed ones, an untied lm_head)."""
-    shapes = file_shapes(files)
+    `aliases`: {name: the name whose tensor it starts as} (tied weights, renamed ones, an untied lm_head); `converted`: the
+    shapes of the tensors transformers makes from several of the files' (hf_conversions.py: fused experts)."""
+    shapes = {**file_shapes(files), **(converted or {})}
 
     def source(name: str) -> str:
         for _ in range(len(aliases) + 1):  # a tied alias's owner may itself be stored under another name
