@@ -114,7 +114,8 @@ def test_metrics_over_nothing_counted_are_none_not_nan():
     for task in TASKS.values():
         metrics, _ = chosen_metrics(task.metrics, ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"])
         values = metric_values(add_stats(None, metric_stats(torch.zeros(2, 3, 5), targets, metrics)), metrics)
-        assert values == dict.fromkeys(task.metrics), task.name
+        # entity_f1 reports its precision and recall beside it, from the same statistics
+        assert set(task.metrics) <= set(values) and all(v is None for v in values.values()), (task.name, values)
 
 
 # ---------------------------------------------------------------- steps with nothing to learn
