@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import torch
 
+from parallel_train.core.collectives import all_gather
 from parallel_train.data.batch import parts, rows, size
 from parallel_train.errors import UserError
 from parallel_train.eval_metrics import Metric, add_stats, add_totals, metric_stats, metric_values
 from parallel_train.losses import logits_of
-from parallel_train.parallel.collectives import all_gather
 from parallel_train.parallel.vocab_metrics import cut_by_vocabulary, stats_on_shards
 
 

@@ -21,11 +21,12 @@ from tqdm.auto import tqdm
 
 from parallel_train import faults
 from parallel_train.checkpoint import checkpointer
-from parallel_train.checkpoint.json_text import json_text
 from parallel_train.checkpoint.named_state import torch_optimizer
 from parallel_train.checkpoint.train_state import TrainingState
 from parallel_train.checkpoint.writer import write_file, write_with
 from parallel_train.config.sections import Config
+from parallel_train.core.json_text import json_text
+from parallel_train.core.task import Aligned, units_in
 from parallel_train.data.batch import rows
 from parallel_train.data.batch_check import check_first_batches
 from parallel_train.data.streaming import gather_positions, position_for
@@ -64,7 +65,6 @@ from parallel_train.run.resume import choose_checkpoint
 from parallel_train.run.resume_config import SCHEDULE, apply_schedule, change_notice, check_same_files, config_changes
 from parallel_train.step import Stepper, StepResult
 from parallel_train.tasks.registry import load_task_data, task_of
-from parallel_train.tasks.task import Aligned, units_in
 
 
 def say(message: str) -> None:
@@ -166,7 +166,7 @@ class Trainer:
         self.start_memory = peak_memory_mb(self.device)  # the model in place, cut and filled: what the start cost
         self.optimizer = torch_optimizer(self.engine.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
-        # A causal LM's dict labels are shifted once here (tasks/task.py); every other batch passes as it is.
+        # A causal LM's dict labels are shifted once here (core/task.py); every other batch passes as it is.
         self.val_batches = Aligned(self.task, val_loader(self.data, cfg, self.engine.dp_size))
         self.global_batch = cfg.train.batch_size * self.engine.dp_size * cfg.train.gradient_accumulation_steps
         for line in engine_lines(self.engine, cfg.train, self.global_batch, self.params):
@@ -220,7 +220,7 @@ class Trainer:
             self.data, cfg, self.engine.dp_size, self.engine.dp_rank, self.start_step, self.device.type == "cuda", stream_state=position
         )
         self.batches = TimedIterator(iter(Aligned(self.task, self.loader)))
-        # MFU counts FLOPs per token: none for a task whose throughput is in samples (tasks/task.py), where it means nothing
+        # MFU counts FLOPs per token: none for a task whose throughput is in samples (core/task.py), where it means nothing
         self.flops_per_token = self.engine.flops_per_token() if self.task.units == "tokens" else None
         self.peak = peak_flops(self.device, self.precision.name, cfg.train)
         self.speed = Throughput()
@@ -322,7 +322,7 @@ class Trainer:
         train_loss = None if result.empty or done in empty else loss
         if train_loss is not None:
             self.state.final_train_loss = train_loss
-        # Throughput in the task's units (tasks/task.py), this interval's counts of every rank summed (a collective)
+        # Throughput in the task's units (core/task.py), this interval's counts of every rank summed (a collective)
         units = self.stepper.over_ranks(self.speed.pending)
         rate, elapsed = self.speed.interval(warm=done > self.start_step + interval, units=units)  # the first holds warm-up
         record = {

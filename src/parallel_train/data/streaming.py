@@ -32,11 +32,11 @@ import torch
 from torch.utils.data import Dataset
 
 from parallel_train.config.sections import Config
+from parallel_train.core.collectives import all_gather
 from parallel_train.data.inputs import LOCAL_FORMATS, loading_error
 from parallel_train.data.text import Data, check_resumed_tokenizer, vocab_size_for
 from parallel_train.data.tokenizers import Tokenizer, load_tokenizer, needs_corpus
 from parallel_train.errors import UserError
-from parallel_train.parallel.collectives import all_gather
 
 VAL_SPLITS = ("validation", "valid", "val", "test")
 

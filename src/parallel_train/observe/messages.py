@@ -45,7 +45,7 @@ def train_line(record: dict[str, Any], max_steps: int) -> str:
 
 
 def throughput(record: dict[str, Any]) -> str:
-    """`12,345 tok/s` (tokens that are not padding) or `456 samples/s`: the task's units (tasks/task.py)."""
+    """`12,345 tok/s` (tokens that are not padding) or `456 samples/s`: the task's units (core/task.py)."""
     if "samples_per_sec" in record:
         return f"{record['samples_per_sec']:,.1f} samples/s"
     return f"{record['tokens_per_sec']:,.0f} tok/s"

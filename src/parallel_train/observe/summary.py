@@ -25,7 +25,7 @@ def run_summary(t: Any) -> dict[str, Any]:
         "mixed_precision": t.precision.name,
         "skipped_by_scaler_steps": t.stepper.skipped_by_scaler,
         "skipped_empty_steps": t.stepper.skipped_empty,  # no token to learn on any rank (step.py)
-        f"{t.task.units}_per_sec": rate,  # tokens_per_sec (not padding) or samples_per_sec (tasks/task.py)
+        f"{t.task.units}_per_sec": rate,  # tokens_per_sec (not padding) or samples_per_sec (core/task.py)
         "mfu": mfu(t.flops_per_token, rate, t.peak, accelerator.num_processes) if rate else None,
         "wall_time_s": time.perf_counter() - t.t_start,
         "time_to_first_step_s": t.first_step_s,

@@ -35,14 +35,14 @@ import socket
 import time
 from pathlib import Path
 
-from parallel_train.checkpoint.json_text import json_text
 from parallel_train.checkpoint.writer import LISTING, check_file, check_folder, listed, record, write_file
 from parallel_train.config.sections import Config
+from parallel_train.core.collectives import from_rank0
+from parallel_train.core.json_text import json_text
 from parallel_train.data.chat_format import FILES as CHAT_FILES
 from parallel_train.data.tokenizers import HF_FILE, VOCAB_FILE
 from parallel_train.errors import UserError
 from parallel_train.observe.plots import PICTURE
-from parallel_train.parallel.collectives import from_rank0
 from parallel_train.tasks.label_names import LABELS_FILE
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "model.safetensors")

@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 from parallel_train.checkpoint.listing import list_checkpoints, misnamed_notice, scan
 from parallel_train.checkpoint.manifest import MANIFEST, verify_spread
+from parallel_train.core.collectives import from_rank0
 from parallel_train.errors import UserError
-from parallel_train.parallel.collectives import from_rank0
 
 
 def rank_and_world() -> tuple[int, int]:
