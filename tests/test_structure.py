@@ -14,6 +14,7 @@ from helpers import REPO
 
 PACKAGE = REPO / "src" / "parallel_train"
 MAX_FUNCTION_LINES = 80
+MAX_TRAINER_LINES = 250  # the Trainer class (issue 37: it reads top to bottom)
 
 
 def module_name(path: Path) -> str:
@@ -154,6 +155,18 @@ def test_package_init_files_are_docstrings_only():
             continue
         tree = ast.parse(init.read_text())
         assert ast.get_docstring(tree) and len(tree.body) == 1, f"{init.relative_to(REPO)}: a docstring and nothing else"
+
+
+def test_the_trainer_is_at_most_250_lines_and_reads_top_to_bottom():
+    """The Trainer keeps the run's order and hands each phase to its room (run/, observe/, evaluation.py, ...): its class
+    is at most 250 lines, set-up first, then the loop, then the end."""
+    tree = ast.parse((PACKAGE / "trainer.py").read_text())
+    (trainer,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Trainer"]
+    lines = trainer.end_lineno - trainer.lineno + 1
+    assert lines <= MAX_TRAINER_LINES, f"the Trainer class is {lines} lines: move a phase to the room it belongs to"
+    methods = [node.name for node in trainer.body if isinstance(node, ast.FunctionDef)]
+    order = [methods.index(name) for name in ("__init__", "run", "train", "finish", "close")]
+    assert order == sorted(order), f"the Trainer's methods out of order (set up, the loop, the end): {methods}"
 
 
 def test_at_most_ten_modules_at_the_top_of_the_package():

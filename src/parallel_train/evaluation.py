@@ -18,6 +18,9 @@ rank stops with that line at once (else the others report a failed collective, o
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 import torch
 
 from parallel_train.core.collectives import all_gather
@@ -69,3 +72,13 @@ def sum_over_ranks(totals: dict[str, torch.Tensor] | None, failed: str | None = 
     for part in filter(None, parts):
         summed = add_totals(summed, part)
     return summed
+
+
+def evaluate_or_stop(engine, batches, metrics: list[Metric], step: int, save: Callable[[], Path]) -> dict[str, float | None]:
+    """`evaluate`, where a metric that fails (eval.metric: every rank raises alike) stops the run after `save` wrote
+    step `step`'s checkpoint (a collective, as the evaluation was: every rank is here) and returned its folder."""
+    try:
+        return evaluate(engine, batches, metrics)
+    except UserError as e:
+        where = save()
+        raise UserError(f"{e} (step {step}'s checkpoint is written first: {where}; a rerun resumes from it)") from None

@@ -39,7 +39,7 @@ micro-batch means that the loop computed before the loss was counted per token.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -149,15 +149,19 @@ class Stepper:
         scaler.update()
         self._scaler_skips.append(scaler._get_scale_async() < before)
 
-    def settle(self) -> list[int]:
+    def settle(self, say: Callable[[str], None] | None = None) -> list[int]:
         """Read the verdicts of the steps since the last call, in one copy to the host (call it where the loop syncs
-        anyway: log, checkpoint, end); add them to the counters. Returns the steps skipped with nothing to learn."""
+        anyway: log, checkpoint, end); add them to the counters. Returns the steps skipped with nothing to learn. A
+        step with no token to learn is still a step of the schedule; the first one is `say`d, the rest are counted."""
+        first = self.skipped_empty == 0
         flags = [f for _, f in self._empty if isinstance(f, torch.Tensor)] + self._scaler_skips
         read = iter(torch.stack([f.reshape(()).to(torch.int64) for f in flags]).tolist() if flags else [])
         empty = [number for number, f in self._empty if (f if isinstance(f, bool) else next(read))]
         self.skipped_by_scaler += sum(read)  # what is left: the scaler's verdicts
         self.skipped_empty += len(empty)
         self._empty, self._scaler_skips = [], []
+        if empty and first and say is not None:
+            say(f"notice: step {empty[0]} has no token to learn on any rank: skipped (no update); counted in skipped_empty_steps")
         return empty
 
     @property
