@@ -34,21 +34,15 @@ def train_tokenizer(vocab_size: int = VOCAB, chars: int | None = None):
     return PreTrainedTokenizerFast(tokenizer_object=core, eos_token=EOS, bos_token=EOS)
 
 
+# What the tiny decoders share: 2 layers of 4 heads, untied, 128 positions.
+DECODER = dict(vocab_size=VOCAB, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128, tie_word_embeddings=False)
+DECODER.update(bos_token_id=0, eos_token_id=0)
+
+
 def llama_config(**overrides):
     from transformers import LlamaConfig
 
-    settings = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
+    settings = dict(DECODER, hidden_size=64, intermediate_size=128, num_key_value_heads=2)
     return LlamaConfig(**{**settings, **overrides})
 
 
@@ -58,6 +52,37 @@ def gpt2_config(**overrides):
 
     settings = dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     return GPT2Config(**{**settings, "bos_token_id": 0, "eos_token_id": 0, **overrides})
+
+
+# Mixtures of experts: 2 layers, 4 routed experts, 2 per token, 32 wide. save_pretrained writes each expert's tensors
+# apart (Mixtral under its older block_sparse_moe names), which from_pretrained fuses on loading.
+MOE_SIZES = dict(DECODER, hidden_size=32, intermediate_size=64, num_experts_per_tok=2)
+
+
+def qwen3_moe_config(**overrides):
+    from transformers import Qwen3MoeConfig
+
+    settings = dict(MOE_SIZES, num_key_value_heads=2, head_dim=8, num_experts=4, moe_intermediate_size=16, decoder_sparse_step=1)
+    return Qwen3MoeConfig(**{**settings, **overrides})
+
+
+def mixtral_config(**overrides):
+    from transformers import MixtralConfig
+
+    return MixtralConfig(**{**MOE_SIZES, "num_key_value_heads": 2, "num_local_experts": 4, **overrides})
+
+
+def deepseek_v3_config(**overrides):
+    """Multi-head latent attention, a shared expert beside the 4 routed ones, and a dense first layer."""
+    from transformers import DeepseekV3Config
+
+    experts = dict(n_routed_experts=4, moe_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1)
+    latent = dict(q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=4)
+    settings = dict(MOE_SIZES, **experts, **latent, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    return DeepseekV3Config(**{**settings, **overrides})
+
+
+MOE_CONFIGS = {"qwen3_moe": qwen3_moe_config, "mixtral": mixtral_config, "deepseek_v3": deepseek_v3_config}
 
 
 def save_model(config, folder: Path, tokenizer=None, seed: int = 0) -> Path:

@@ -196,3 +196,18 @@ def test_the_hub_decoder_masks_padding_as_transformers_does(llama):
     torch.testing.assert_close(got, want)
     assert not torch.allclose(got[1:], unmasked[1:], atol=1e-3)  # the padded samples: the mask matters
     torch.testing.assert_close(got[0], unmasked[0])  # the unpadded one: it does not
+
+
+@pytest.mark.parametrize("batch", ["dict", "packed tuple"])
+def test_every_tensor_of_a_batch_moves_to_the_device(batch):
+    """batch.parts moves every tensor a batch holds, not only the main input and the labels: on the CPU the device is
+    the host, so no run shows a mask left behind; the meta device does."""
+    from parallel_train.data.batch import parts
+
+    ids = torch.ones(2, 4, dtype=torch.long)
+    if batch == "dict":
+        given = {"input_ids": ids, "attention_mask": ids, "token_type_ids": ids * 0, "labels": ids}
+    else:
+        given = (ids, ids, torch.arange(4).expand(2, 4))
+    x, y, others = parts(given, torch.device("meta"))
+    assert others and all(t.device.type == "meta" for t in (x, y, *others.values()))

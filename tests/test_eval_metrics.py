@@ -94,6 +94,22 @@ def test_entity_f1_is_seqevals_on_its_readme_example_and_skips_unlabelled_tokens
     assert values("token-classification", logits_for([[0, 0]], len(TAGS)), torch.tensor([[0, -100]]))["entity_f1"] is None
 
 
+def test_entity_precision_and_recall_are_seqevals_beside_f1():
+    """seqeval's precision_score and recall_score (micro, every type; zero_division 0), worked by hand: 2 entities
+    predicted, both right; 3 gold, the MISC missed. Nothing gold but something predicted: 0 and 0, as seqeval says;
+    nothing either side: not measured."""
+    ids = {name: i for i, name in enumerate(TAGS)}
+    gold = [[ids[t] for t in "B-PER I-PER B-LOC O B-MISC I-MISC".split()]]
+    pred = [[ids[t] for t in "B-PER I-PER B-LOC O O O".split()]]
+    v = values("token-classification", logits_for(pred, len(TAGS)), torch.tensor(gold))
+    assert list(v) == ["loss", "accuracy", "entity_precision", "entity_recall", "entity_f1"]  # seqeval's report's order
+    assert (v["entity_precision"], v["entity_recall"]) == (1.0, pytest.approx(2 / 3)) and v["entity_f1"] == pytest.approx(0.8)
+    v = values("token-classification", logits_for([[1, 0]], len(TAGS)), torch.tensor([[0, 0]]))
+    assert (v["entity_precision"], v["entity_recall"], v["entity_f1"]) == (0.0, 0.0, 0.0)
+    v = values("token-classification", logits_for([[0, 0]], len(TAGS)), torch.tensor([[0, 0]]))
+    assert (v["entity_precision"], v["entity_recall"], v["entity_f1"]) == (None, None, None)
+
+
 def test_tag_names_that_are_not_bio_give_token_accuracy_and_one_notice():
     assert bio_tags(TAGS) is not None and bio_tags(["O", "PER", "LOC"]) is None and bio_tags(None) is None
     metrics, notice = chosen_metrics(TASKS["token-classification"].metrics, ["O", "PER", "LOC"])

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import hf_tiny
-from helpers import WarmCmd, check, launch_env, run, summary, train_losses, warm_script
+from helpers import REPO, WarmCmd, check, launch_env, run, summary, train_losses, warm_script
 from parallel_train.checkpoint.export import load_weights
 from parallel_train.errors import UserError
 from parallel_train.models.hf import HFConfig, HFModel
@@ -109,6 +109,71 @@ def test_a_pretrained_body_gets_a_new_head_with_a_notice(folders, tmp_path):
     same = started(folders["bert-classifier"], "sequence-classification", hf_tiny.LABELS)
     assert same.new_weights == [] and same.notice is None
     assert torch.equal(same.hf.classifier.weight, load_file(str(folders["bert-classifier"] / "model.safetensors"))["classifier.weight"])
+
+
+def dropout_ps(model: HFModel) -> set[float]:
+    """Every dropout probability the built model holds: its Dropout modules' and its attention's."""
+    modules = [m.p for m in model.hf.modules() if isinstance(m, torch.nn.Dropout)]
+    return {*modules, *(m.dropout_prob for m in model.hf.modules() if hasattr(m, "dropout_prob"))}
+
+
+def test_model_dropout_sets_every_dropout_of_a_hub_model_and_unset_leaves_the_folders(tmp_path, capsys):
+    """model.dropout on model.name=hf: BERT's hidden, attention and classifier dropout (and any architecture's keys
+    holding "dropout" or "pdrop") take it, so layouts compare at dropout 0 as docs/configuration.md says; not given,
+    the folder's own values stay (here 0.1, BERT's)."""
+    from parallel_train.config.load import load_config
+    from parallel_train.models.hf_loading import dropout_keys
+
+    folder = hf_tiny.save_task_model(
+        hf_tiny.bert_config(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, classifier_dropout=None), "AutoModel", tmp_path / "b"
+    )
+    kept = HFModel(HFConfig(name="hf", hf_path=str(folder), block_size=T, task="sequence-classification"), hf_tiny.VOCAB, hf_tiny.LABELS)
+    assert dropout_ps(kept) == {0.1} and kept.hf.config.attention_probs_dropout_prob == 0.1
+    for p in (0.0, 0.25):
+        model = HFModel(
+            HFConfig(name="hf", hf_path=str(folder), block_size=T, task="sequence-classification", dropout=p), hf_tiny.VOCAB, hf_tiny.LABELS
+        )
+        config = model.hf.config
+        assert dropout_ps(model) == {p} and (
+            config.hidden_dropout_prob,
+            config.attention_probs_dropout_prob,
+            config.classifier_dropout,
+        ) == (p, p, p)
+        inputs = batch("sequence-classification")
+        assert torch.equal(call(model.train(), inputs), call(model, inputs)) == (p == 0)  # training: dropout draws, or none
+    assert dropout_keys(hf_tiny.gpt2_config()) == ["resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout"]
+    assert dropout_keys(hf_tiny.t5_config()) == ["dropout_rate", "classifier_dropout"]
+    # The key: unset by default (distinct from 0), a number in [0, 1) when given, no "ignoring" notice; GPT's stays 0.
+    hf = ["model.name=hf", f"model.hf_path={folder}"]
+    assert load_config(hf)[0].model.dropout is None and load_config([*hf, "model.dropout=0.2"])[0].model.dropout == 0.2
+    assert "ignoring" not in capsys.readouterr().err and load_config([])[0].model.dropout == 0.0
+    with pytest.raises(UserError, match=r"model.dropout: must be in \[0, 1\), got 1.0"):
+        load_config([*hf, "model.dropout=1"])
+
+
+def test_the_guides_bert_download_keeps_its_trained_pooler_for_the_classifier(tmp_path):
+    """docs/guide.md's line that saves bert-base-cased for the recipes, run on a tiny BERT that transformers wrote with
+    every pretrained head (its pooler trained, as the Hub's is): the classifier built from the saved folder starts from
+    that pooler, only its classifier new; the tagger and the masked LM read the same folder (the MLM head kept)."""
+    lines = {
+        line
+        for line in (REPO / "docs" / "guide.md").read_text().splitlines()
+        if line.startswith("python -c") and "from_pretrained('bert-base-cased')" in line
+    }
+    assert len(lines) == 1, lines  # the NLP and the NER recipes save it alike
+    code = next(iter(lines)).split('python -c "')[1].split('"')[0]
+    hub, saved = tmp_path / "hub", tmp_path / "models" / "bert"
+    hf_tiny.save_task_model(hf_tiny.bert_config(), "AutoModelForPreTraining", hub)
+    hf_tiny.bert_tokenizer().save(str(hub / "tokenizer.json"))
+    exec(code.replace("'models/bert-base-cased'", repr(str(saved))).replace("'bert-base-cased'", repr(str(hub))), {})
+    pooler = {k: v for k, v in load_file(str(hub / "model.safetensors")).items() if ".pooler." in k}
+    assert len(pooler) == 2
+    classifier = started(saved, "sequence-classification", hf_tiny.LABELS)
+    assert classifier.new_weights == ["classifier.weight", "classifier.bias"]
+    for name, weight in pooler.items():
+        assert torch.equal(classifier.state_dict()[name], weight), name
+    assert started(saved, "token-classification", hf_tiny.LABELS).new_weights == ["classifier.weight", "classifier.bias"]
+    assert started(saved, "masked-lm").new_weights == []
 
 
 def test_a_causal_lm_given_an_attention_mask_runs_its_own_forward(tmp_path):

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 import transformers
-from transformers.optimization import get_linear_schedule_with_warmup, get_wsd_schedule
+from transformers.optimization import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup, get_wsd_schedule
 
 from hf_tiny import gpt2_config, llama_config
 from parallel_train.config.load import load_config
@@ -16,7 +16,7 @@ from parallel_train.config.sections import TrainConfig
 from parallel_train.errors import UserError
 from parallel_train.models import build_model
 from parallel_train.models.gpt import GPTConfig
-from parallel_train.optim import build_optimizer, build_scheduler, lr_at
+from parallel_train.optim import build_optimizer, build_scheduler, decay_start, lr_at
 
 # Peak 1, floor 0.1, 2 warm-up steps, the decay ends at step 12; wsd decays over the last quarter (steps 9-12).
 SHAPE = dict(learning_rate=1.0, min_lr=0.1, warmup_steps=2, lr_decay_steps=12, lr_decay_fraction=0.25)
@@ -26,9 +26,9 @@ COSINE_AT_4 = 0.1 + 0.5 * (1 + math.cos(math.pi * 0.2)) * 0.9  # 2 of the 10 dec
 @pytest.mark.parametrize(
     "schedule, expected",
     [
-        ("cosine", {0: 1 / 3, 1: 2 / 3, 2: 1.0, 4: COSINE_AT_4, 7: 0.55, 12: 0.1, 20: 0.1}),
-        ("linear", {0: 1 / 3, 1: 2 / 3, 2: 1.0, 4: 0.82, 7: 0.55, 12: 0.1, 20: 0.1}),
-        ("wsd", {0: 1 / 3, 1: 2 / 3, 2: 1.0, 4: 1.0, 9: 1.0, 10: 0.7, 11: 0.4, 12: 0.1, 20: 0.1}),
+        ("cosine", {0: 0.0, 1: 0.5, 2: 1.0, 4: COSINE_AT_4, 7: 0.55, 12: 0.1, 20: 0.1}),
+        ("linear", {0: 0.0, 1: 0.5, 2: 1.0, 4: 0.82, 7: 0.55, 12: 0.1, 20: 0.1}),
+        ("wsd", {0: 0.1, 1: 0.55, 2: 1.0, 4: 1.0, 9: 1.0, 10: 0.7, 11: 0.4, 12: 0.1, 20: 0.1}),
         ("constant", {0: 1.0, 4: 1.0, 20: 1.0}),
     ],
 )
@@ -37,19 +37,33 @@ def test_each_schedule_at_a_few_steps(schedule, expected):
     assert {step: lr_at(step, cfg) for step in expected} == pytest.approx(expected, rel=1e-12)
 
 
-def test_linear_and_wsd_equal_transformers_schedules_after_the_warm_up():
-    """After the warm-up, linear is transformers' get_linear_schedule_with_warmup with min_lr=0 (which it decays to)
-    and wsd is its get_wsd_schedule with a linear decay to min_lr. In the warm-up this template starts at
-    lr/(warmup+1), not at 0: step 0 trains."""
-    for kind, min_lr in (("linear", 0.0), ("wsd", 0.1)):
-        cfg = TrainConfig(**{**SHAPE, "lr_schedule": kind, "min_lr": min_lr})
-        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-        if kind == "linear":
-            theirs = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=2, num_training_steps=12)
-        else:
-            theirs = get_wsd_schedule(optimizer, 2, num_decay_steps=3, num_training_steps=12, decay_type="linear", min_lr_ratio=0.1)
-        for step in range(2, 16):
-            assert theirs.lr_lambdas[0](step) == pytest.approx(lr_at(step, cfg), abs=1e-12), (kind, step)
+@pytest.mark.parametrize("warmup, total", [(0, 10), (1, 10), (2, 12), (5, 8), (10, 40)])
+@pytest.mark.parametrize("kind", ["linear", "cosine", "wsd"])
+def test_each_schedule_equals_transformers_at_every_step(kind, warmup, total):
+    """linear and cosine with min_lr=0 (where transformers' decay to) are its get_linear_schedule_with_warmup and
+    get_cosine_schedule_with_warmup, wsd is its get_wsd_schedule with a linear decay to min_lr, warm-up included:
+    step 0 runs at 0 (wsd's at min_lr), as a Trainer's first update does. Compared up to the decay's end (after it
+    transformers' cosine rises again, this template's stays at min_lr)."""
+    cfg = TrainConfig(
+        **{**SHAPE, "lr_schedule": kind, "min_lr": 0.1 if kind == "wsd" else 0.0, "warmup_steps": warmup, "lr_decay_steps": total}
+    )
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    if kind == "linear":
+        theirs = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=warmup, num_training_steps=total)
+    elif kind == "cosine":
+        theirs = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=warmup, num_training_steps=total)
+    else:
+        stable = decay_start(cfg) - warmup
+        theirs = get_wsd_schedule(
+            optimizer, warmup, num_decay_steps=total - warmup - stable, num_stable_steps=stable, decay_type="linear", min_lr_ratio=0.1
+        )
+    ours = build_scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), cfg)
+    for step in range(total + 1):
+        assert ours.get_last_lr() == pytest.approx(theirs.get_last_lr(), abs=1e-12), (step, ours.get_last_lr(), theirs.get_last_lr())
+        assert lr_at(step, cfg) == pytest.approx(theirs.get_last_lr()[0], abs=1e-12)
+        for scheduler in (ours, theirs):
+            scheduler.optimizer.step()
+            scheduler.step()
 
 
 def test_wsd_whose_warm_up_outlasts_the_decay_is_refused():

@@ -68,13 +68,13 @@ def ner_row(rng: random.Random) -> dict:
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory) -> dict[str, Path]:
-    """Model folders (a masked-LM BERT and RoBERTa, a T5, each with a BERT WordPiece tokenizer) and the recipes' data
-    folders."""
+    """Model folders (a BERT with every pretrained head, pooler and MLM head, as docs/guide.md saves bert-base-cased; a
+    masked-LM RoBERTa; a T5; each with a BERT WordPiece tokenizer) and the recipes' data folders."""
     root = tmp_path_factory.mktemp("recipes")
     tok = hf_tiny.bert_tokenizer(vocab_size=hf_tiny.VOCAB)  # as many ids as the models' embeddings
     specials = {"mask_token": "[MASK]", "pad_token": "[PAD]", "cls_token": "[CLS]", "sep_token": "[SEP]", "unk_token": "[UNK]"}
     folders = {
-        "bert": hf_tiny.save_task_model(hf_tiny.bert_config(), "AutoModelForMaskedLM", root / "bert"),
+        "bert": hf_tiny.save_task_model(hf_tiny.bert_config(), "AutoModelForPreTraining", root / "bert"),
         "roberta": hf_tiny.save_task_model(hf_tiny.roberta_config(), "AutoModelForMaskedLM", root / "roberta"),
         "t5": hf_tiny.save_task_model(hf_tiny.t5_config(), "AutoModelForSeq2SeqLM", root / "t5"),
     }
@@ -133,7 +133,8 @@ def nlp_runs(made, tmp_path_factory):
 
 
 def test_nlp_example_is_the_same_on_one_process_ddp_and_fsdp2_and_beats_chance(nlp_runs):
-    """Chance is 0.5 (the validation labels are half 0, half 1); measured 1.0 after 48 steps (0.5 after 24: it learns all at once)."""
+    """Chance is 0.5 (the validation labels are half 0, half 1); measured 1.0 after 48 steps (val_loss 0.53), 0.5 until
+    about step 40: it learns all at once, and when depends on the draw (train.seed=4 learns by step 24, 3 not by 48)."""
     val = assert_layouts_equal(nlp_runs, ("val_loss", "val_accuracy", "val_f1"))
     assert val["val_accuracy"] > 0.7, val
     assert "device mesh (FSDP2" in nlp_runs["fsdp2"][1] and "mesh dp_replicate 2" in nlp_runs["ddp"][1]

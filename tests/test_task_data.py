@@ -377,3 +377,102 @@ def test_bad_task_data_is_one_line(tmp_path, tok, places, task, rows, keys, expe
     with pytest.raises(UserError) as e:
         load(task, path, keys.pop("data__tokenizer", tok), **keys)
     assert "\n" not in str(e.value) and re.match(expected, str(e.value)), str(e.value)
+
+
+def test_blank_lines_of_a_text_file_are_dropped_as_run_mlm_drops_them(tmp_path, tok):
+    """masked-lm, line by line: an empty or whitespace-only line is no sample (nothing to learn), in train and in
+    validation rows alike; the banner says how many went. Only blank lines: one line."""
+    lines = ["hear me speak", "", "   ", "first citizen", "\t", "speak all", "", "we proceed"]
+    (tmp_path / "lines.txt").write_text("\n".join(lines) + "\n")
+    data = load("masked-lm", tmp_path / "lines.txt", tok, data__val_fraction=0.25)  # the last 2 lines: "", "we proceed"
+    assert (len(data.train_set), len(data.val_set)) == (3, 1)
+    assert (batch(data.train_set)["attention_mask"].sum(dim=1) > 2).all(), "every sample holds more than [CLS] [SEP]"
+    assert "4 blank rows dropped" in data.description
+    (tmp_path / "blank.txt").write_text("\n \n\n\n")
+    with pytest.raises(UserError, match="every train row's 'text' is blank"):
+        load("masked-lm", tmp_path / "blank.txt", tok)
+
+
+def cut_and_fixed(dataset, groups: list[list[int]]) -> tuple[list[dict], list[dict]]:
+    """The batches of `groups` as a run without a fixed shape reads them (each cut to its longest), and at block_size."""
+    assert not dataset.fixed, "the default layout (no pipeline, tp or compile) cuts each batch"
+    cut = [dataset.__getitems__(g) for g in groups]
+    dataset.fixed = True
+    fixed = [dataset.__getitems__(g) for g in groups]
+    dataset.fixed = False
+    return cut, fixed
+
+
+PADDED_TASKS = {  # model.task -> its rows, of several lengths
+    "sequence-classification": lambda: [
+        {"sentence1": " ".join(WORDS[: 1 + i % 3]), "sentence2": " ".join(WORDS[3 : 4 + i % 3]), "label": ["no", "yes"][i % 2]}
+        for i in range(16)
+    ],
+    "token-classification": lambda: ner_rows(16),
+    "masked-lm": lambda: [{"text": " ".join(WORDS[: 1 + i % 5])} for i in range(16)],
+    "seq2seq": lambda: [{"source": " ".join(WORDS[i % 5 : 2 + i % 7]), "target": " ".join(WORDS[: 1 + i % 4])} for i in range(16)],
+}
+
+
+@pytest.mark.parametrize("task", list(PADDED_TASKS))
+def test_batches_cut_to_their_longest_train_exactly_as_batches_of_block_size(tmp_path, tok, task):
+    """Each batch padded to its longest row (a multiple of 8), as the scripts' collators pad, is what the fixed
+    block_size batch holds less padding alone: the same losses and the same weights after 3 SGD steps of a tiny
+    transformers model, and fewer positions. A seq2seq's targets are cut to their own longest."""
+    from parallel_train.eval_metrics import per_sample_losses
+    from parallel_train.losses import token_losses
+    from parallel_train.models.hf import HFConfig, HFModel
+
+    config = hf_tiny.t5_config() if task == "seq2seq" else hf_tiny.bert_config()
+    auto = {"seq2seq": "AutoModelForSeq2SeqLM", "masked-lm": "AutoModelForMaskedLM"}.get(task, "AutoModel")
+    folder = hf_tiny.save_task_model(config, auto, tmp_path / "model")
+    data = load(task, jsonl(tmp_path / "rows.jsonl", PADDED_TASKS[task]()), tok, model__name="hf", model__hf_path=str(folder))
+    assert "padded to each batch's longest (a multiple of 8, at most model.block_size=24)" in data.description
+    order = np.argsort(data.train_set.real, kind="stable").tolist()  # batches of short, middling and long rows
+    cut, fixed = cut_and_fixed(data.train_set, [order[:4], order[4:9], order[9:]])
+    widths = [b["input_ids"].shape[1] for b in cut]
+    assert all(w % 8 == 0 and w <= T for w in widths) and min(widths) < T, widths
+    for c, f in zip(cut, fixed, strict=True):
+        for key, value in f.items():  # what was cut is padding: no token, no label
+            assert torch.equal(c[key], value[..., : c[key].shape[-1]])
+            assert value.dim() == 1 or (value[:, c[key].shape[1] :] == (IGNORE_INDEX if key == "labels" else PAD)).all()
+    torch.manual_seed(0)
+    cfg = HFConfig(name="hf", hf_path=str(folder), block_size=T, task=task)
+    first = HFModel(cfg, hf_tiny.VOCAB, data.label_names)
+    losses = {}
+    for name, batches in (("cut", cut), ("fixed", fixed)):
+        model = HFModel(cfg, hf_tiny.VOCAB, data.label_names)
+        model.load_state_dict(first.state_dict())
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # SGD: Adam would blow float noise up into full steps
+        losses[name] = []
+        for b in batches:
+            logits = model(b["input_ids"], **{k: v for k, v in b.items() if k not in ("input_ids", "labels")})
+            summed, count = per_sample_losses(token_losses(logits, b["labels"]), b["labels"]).sum(dim=0)
+            (summed / count).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses[name].append((summed / count).item())
+        losses[name + " weights"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    assert losses["cut"] == pytest.approx(losses["fixed"], rel=1e-5)
+    for key, value in losses["fixed weights"].items():
+        torch.testing.assert_close(losses["cut weights"][key], value, rtol=1e-4, atol=1e-5)
+
+
+def test_layouts_that_need_one_shape_keep_block_size_and_the_banner_says_which(tmp_path, tok):
+    """Pipeline stages, tensor parallel and torch.compile keep every batch model.block_size long; elsewhere the memory
+    estimate's widest sample (data/batch.py) is the widest batch's width, each key its own (a seq2seq's targets)."""
+    from parallel_train.data.batch import widest_sample
+    from parallel_train.tasks.text_rows import fixed_shapes
+
+    path = jsonl(tmp_path / "rows.jsonl", PADDED_TASKS["masked-lm"]())
+    data = load("masked-lm", path, tok, train__compile=True)
+    assert data.train_set.fixed and data.val_set.fixed and "padded to model.block_size=24 (torch.compile: one shape)" in data.description
+    assert batch(data.train_set, [0])["input_ids"].shape == (1, T)
+    cfg = lambda **p: config_from_dict({"parallel": p})  # noqa: E731
+    assert (fixed_shapes(cfg()), fixed_shapes(cfg(tp=2)), fixed_shapes(cfg(pipeline_stages=2))) == (
+        None,
+        "tensor parallel",
+        "pipeline stages",
+    )
+    widest = widest_sample(load("masked-lm", path, tok).train_set)
+    assert widest["input_ids"].shape == widest["labels"].shape == (-(-int(max(data.train_set.real)) // 8) * 8,)

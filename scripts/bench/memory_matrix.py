@@ -123,7 +123,8 @@ def write_models(root: Path) -> dict[str, str]:
         folders[name] = str(root / name)
     pairs = Dataset.from_list(
         [
-            {"sentence1": " ".join(words[i % 50 : i % 50 + 8]), "sentence2": " ".join(words[i % 90 : i % 90 + 9]), "label": i % 2}
+            # the second sentence longer than the block: every pair is cut to 256 tokens, every batch as wide as that
+            {"sentence1": " ".join(words[i % 50 : i % 50 + 8]), "sentence2": " ".join((words * 2)[i % 90 : i % 90 + 250]), "label": i % 2}
             for i in range(64)
         ]
     )

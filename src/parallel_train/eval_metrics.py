@@ -157,6 +157,14 @@ def entity_f1(totals: list[float]) -> float | None:
     return f1(*totals)
 
 
+def entity_share(of: int, totals: list[float]) -> float | None:
+    """Entities found exactly over those predicted (of=1: seqeval's precision_score) or gold (of=2: its recall_score),
+    micro over every type; 0 when that count is 0 but the other is not (seqeval's zero_division), None when neither
+    holds anything (not measured, as entity_f1)."""
+    found, predicted, gold = totals
+    return found / totals[of] if totals[of] else (0.0 if predicted + gold else None)
+
+
 # ---------------------------------------------------------------- the metrics a run reports
 
 # Every metric a task may name (Task.metrics). entity_f1 is built from the data's tag names (chosen_metrics).
@@ -166,7 +174,8 @@ TASK_METRICS: dict[str, Metric] = {
     "accuracy": Metric(accuracy_stats, ratio),  # of next-token, masked-token, tag or class predictions
     "f1": Metric(class_stats, class_f1),
 }
-ENTITY_F1 = "entity_f1"
+ENTITY_F1 = "entity_f1"  # a task that names it reports entity precision and recall before it
+ENTITY_PRECISION, ENTITY_RECALL = "entity_precision", "entity_recall"
 
 # Yours: reported on every run, after the task's own. name -> Metric(stats, value), logged as val_<name>.
 METRICS: dict[str, Metric] = {
@@ -178,13 +187,16 @@ def chosen_metrics(
     names: tuple[str, ...], label_names: list[str] | None, user: tuple[str, Metric] | None = None
 ) -> tuple[dict[str, Metric], str | None]:
     """What a run reports, in order: its task's metrics (`names`), METRICS, then the user's (eval.metric). With a
-    notice when one of the task's cannot be measured (entity F1 without BIO tag names)."""
+    notice when one of the task's cannot be measured (entity F1 without BIO tag names). entity_f1 comes with
+    entity_precision and entity_recall before it, as seqeval reports them."""
     chosen, notice = {}, None
     for name in names:
         if name != ENTITY_F1:
             chosen[name] = TASK_METRICS[name]
-        elif (tags := bio_tags(label_names)) is not None:
-            chosen[name] = Metric(partial(entity_stats, tags=tags), entity_f1)
+        elif (tags := bio_tags(label_names)) is not None:  # seqeval's three, from one set of statistics (stats_by)
+            stats = partial(entity_stats, tags=tags)
+            chosen |= {ENTITY_PRECISION: Metric(stats, partial(entity_share, 1)), ENTITY_RECALL: Metric(stats, partial(entity_share, 2))}
+            chosen[name] = Metric(stats, entity_f1)
         else:
             shown = ", ".join((label_names or ["none"])[:4]) + (", ..." if len(label_names or []) > 4 else "")
             notice = (

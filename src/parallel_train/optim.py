@@ -60,11 +60,14 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     warmup_steps, reaches min_lr at lr_decay_steps and stays there:
     cosine  half a cosine from learning_rate down to min_lr (nanoGPT's schedule)
     linear  a straight line down to min_lr (transformers' linear schedule goes to 0: min_lr=0 for that)
-    wsd     warmup-stable-decay: learning_rate until decay_start, then a straight line down to min_lr"""
+    wsd     warmup-stable-decay: learning_rate until decay_start, then a straight line down to min_lr
+    The warm-up is transformers' to the step: step s < warmup_steps runs at s / warmup_steps of the way up, so step 0
+    at 0 (get_linear_schedule_with_warmup, get_cosine_schedule_with_warmup), wsd's from min_lr (get_wsd_schedule)."""
     if cfg.lr_schedule == "constant":
         return cfg.learning_rate
     if step < cfg.warmup_steps:
-        return cfg.learning_rate * (step + 1) / (cfg.warmup_steps + 1)
+        floor = cfg.min_lr if cfg.lr_schedule == "wsd" else 0.0
+        return floor + (cfg.learning_rate - floor) * step / cfg.warmup_steps
     if step > cfg.lr_decay_steps:
         return cfg.min_lr
     start = decay_start(cfg) if cfg.lr_schedule == "wsd" else cfg.warmup_steps

@@ -135,7 +135,7 @@ class Trainer:
         model, init = start_model(MODELS[cfg.model.name], cfg.model, self.data.vocab_size, cfg.train.seed, self.labels)
         if getattr(model, "notice", None):  # e.g. a new head on a pretrained body (models/hf.py)
             say(model.notice)
-        self.params = parameter_counts(model)  # trainable_params, total_params
+        self.params = parameter_counts(model)  # trainable_params, total_params (and active_params of a mixture of experts)
         self.base_model = model.base_model() if hasattr(model, "base_model") else None  # what LoRA checkpoints need
         if notice := whole_start_notice(init, cfg, self.accelerator.num_processes):
             say(notice)

@@ -70,8 +70,17 @@ def type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
+def optional(tp: Any) -> Any:
+    """X of a field typed `X | None` (a key whose default, None, means "not given": model.dropout of a Hub model
+    leaves its folder's values), else None."""
+    args = typing.get_args(tp) if typing.get_origin(tp) in (types.UnionType, typing.Union) else ()
+    return next((a for a in args if a is not type(None)), None) if type(None) in args else None
+
+
 def coerce(key: str, value: Any, tp: Any) -> Any:
     """Convert a YAML/command-line value to the field's type, or raise a UserError naming the key."""
+    if (inner := optional(tp)) is not None:  # null, none or nothing: not given
+        return None if value is None or (isinstance(value, str) and value.lower() in ("", "none", "null")) else coerce(key, value, inner)
     origin = typing.get_origin(tp)
     if origin in (list, types.GenericAlias) or tp is list:
         if isinstance(value, str):  # `key=cpu` or `key=a,b` on the command line
@@ -156,8 +165,9 @@ def check_section(section: Any, prefix: str) -> None:
             raise UserError(f"{key}: must not be empty; its default is {f.default!r}")
         if choices and value not in choices:
             raise UserError(f"{key}: must be one of {', '.join(choices)}, got {value!r}")
-        if types_[f.name] in (int, float) and f.metadata:
-            is_int = types_[f.name] is int
+        kind = optional(types_[f.name]) or types_[f.name]
+        if kind in (int, float) and f.metadata and value is not None:
+            is_int = kind is int
             if not in_range(value, f.metadata, is_int):
                 words = _range_text(value, f.metadata, is_int)
                 if not is_int and not math.isfinite(value) and words != "a finite number":

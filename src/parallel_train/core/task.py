@@ -9,7 +9,7 @@ word one word, a target token one token, and the loss is the same on 1 process, 
     task                     logits          labels            a transformers model       judged by (val_*)
     causal-lm                (B, T, vocab)   (B, T) next ids   AutoModelForCausalLM       loss, perplexity
     sequence-classification  (B, classes)    (B,) class ids    ...ForSequenceClassification  accuracy, f1
-    token-classification     (B, T, classes) (B, T) tag ids    ...ForTokenClassification  accuracy, entity f1
+    token-classification     (B, T, classes) (B, T) tag ids    ...ForTokenClassification  accuracy, entity p/r/f1
     masked-lm                (B, T, vocab)   (B, T) masked ids ...ForMaskedLM             loss, perplexity
     seq2seq                  (B, T, vocab)   (B, T) target ids ...ForSeq2SeqLM            loss, perplexity
     image-classification     (B, classes)    (B,) class ids    ...ForImageClassification  accuracy, f1
@@ -66,7 +66,7 @@ class Task:
     # (logits, labels) -> the summed loss of the labels that count (step.py divides by their number over the step).
     loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = loss_sum
     # What validation reports (val_<name>), "loss" first: names of eval_metrics.TASK_METRICS, or "entity_f1" (from
-    # the data's BIO tag names).
+    # the data's BIO tag names; entity precision and recall come with it).
     metrics: tuple[str, ...] = ("loss", "accuracy")
 
 

@@ -101,7 +101,9 @@ def repeat(sample: Batch, n: int) -> Batch:
 def widest_sample(dataset) -> Batch:
     """One sample, unbatched, at the widest shape a batch of `dataset` takes: the longest of padded samples (a batch is
     padded to its longest, data/packing.py), else the first. Datasets that only batch themselves (`__getitems__`) are
-    asked for a batch of one."""
+    asked for a batch of one; a dataset that knows its widest sample (`widest()`: each key at its own widest) gives it."""
+    if hasattr(dataset, "widest"):
+        return dataset.widest()
     i = dataset.longest() if hasattr(dataset, "longest") else 0
     if hasattr(dataset, "__getitems__"):
         one = dataset.__getitems__([i])

@@ -47,7 +47,17 @@ from parallel_train.core.fields import check, opt
 from parallel_train.core.model_config import ModelConfig
 from parallel_train.core.task import DEFAULT, LABELLED, TASK_NAMES
 from parallel_train.errors import UserError
-from parallel_train.models import hf_export, hf_head, hf_init, hf_layouts, hf_loading, hf_lora, hf_tensor_parallel
+from parallel_train.models import (
+    hf_conversions,
+    hf_export,
+    hf_head,
+    hf_init,
+    hf_layouts,
+    hf_loading,
+    hf_lora,
+    hf_moe,
+    hf_tensor_parallel,
+)
 from parallel_train.models.activation_checkpoint import Checkpointing, check_option, mode_field, option_field
 from parallel_train.models.ties import find_ties, with_aliases
 
@@ -66,6 +76,9 @@ class HFConfig(ModelConfig):
         "transformers attention kernel (packed samples kept apart by each: flash_attention_2 and flex_attention on GPUs); "
         "eager for a model without sdpa (a ResNet)",
         choices=("sdpa", "eager", "flash_attention_2", "flex_attention"),
+    )
+    dropout: float | None = opt(
+        None, "every dropout probability its config names (hidden, attention, classifier, ...); unset: the folder's own", min=0.0, below=1.0
     )
     untie_embeddings: bool = opt(False, "give lm_head its own copy of a tied input embedding (trained apart, exported untied)")
     new_head: bool = opt(
@@ -120,12 +133,16 @@ class HFModel(nn.Module):
         hf_loading.check_task(config, cfg.task, cfg.hf_path)
         hf_loading.check_sizes(config, cfg.hf_path, vocab_size, cfg.block_size, cfg.vocab_size)
         hf_loading.set_labels(config, label_names)
+        if cfg.dropout is not None:
+            hf_loading.set_dropout(config, cfg.dropout)
         hf = hf_loading.build_model(config, cfg.task, cfg.hf_path, cfg.dtype, cfg.attn_implementation)
         # Weights whose first values are another's in the files: stored under an older name (hf_loading.file_keys), an
         # untied lm_head that starts as the embedding, a LoRA-wrapped layer's base weight.
         files = hf_loading.weight_files(cfg.hf_path) if cfg.hf_pretrained else []  # found once (a Hub name: fetched once)
         self.__dict__["weight_files"] = files
         self.__dict__["weight_aliases"] = hf_loading.file_keys(hf, files) if files else {}
+        # Tensors transformers makes from several of the files' (a mixture of experts' fused experts): read by its converters.
+        self.__dict__["weight_conversions"] = hf_conversions.ConvertedTensors(hf, files) if files else None
         if cfg.untie_embeddings and find_ties(hf):
             self._alias(find_ties(hf))
             hf.lm_head.weight = nn.Parameter(hf.lm_head.weight.detach().clone())
@@ -208,7 +225,8 @@ class HFModel(nn.Module):
         if self.task == DEFAULT:
             return [], {}, None
         aliases = {**self.tied, **self.weight_aliases}
-        fresh = hf_loading.new_weights(self, self.pretrained_files(), aliases)
+        converted = self.weight_conversions.shapes if self.weight_conversions else None
+        fresh = hf_loading.new_weights(self, self.pretrained_files(), aliases, converted)
         what = f"model.hf_path {self.hf_path!r}"
         if len(fresh) == len(self.state_dict()):
             raise UserError(
@@ -236,6 +254,8 @@ class HFModel(nn.Module):
         state = {}
         for f in self.pretrained_files():
             state.update(load_file(str(f)))
+        if self.weight_conversions:  # a mixture of experts' fused experts, from the per-expert tensors (hf_conversions.py)
+            state.update(self.weight_conversions.read_all())
         # An untied lm_head starts as the embedding; a tied one is the embedding (save_pretrained stores it once).
         state = with_aliases(with_aliases(state, self.weight_aliases), self.tied)
         state = {k: v for k, v in state.items() if k not in self.new_weights}  # these keep their fresh initialisation
@@ -356,16 +376,22 @@ class HFModel(nn.Module):
             )
         return units
 
+    def active_params(self) -> int:
+        """The parameters one token uses: all of them but, in a mixture of experts, the routed experts it is not sent to
+        (hf_moe.py). The start banner names them when fewer than all."""
+        return sum(p.numel() for p in self.parameters()) - hf_moe.unused_params(self)
+
     def flops_per_token(self) -> int:
-        """Training FLOPs per token: 6 per parameter plus attention (PaLM appendix B). The input embedding is a lookup,
-        not a matmul, so it counts only as lm_head where the two share one weight."""
+        """Training FLOPs per token: 6 per active parameter (active_params: a mixture of experts runs top-k of its routed
+        experts per token) plus attention (PaLM appendix B). The input embedding is a lookup, not a matmul, so it counts
+        only as lm_head where the two share one weight."""
         text = self.hf.config.get_text_config()
-        n_params = sum(p.numel() for p in self.parameters())  # a tied weight once
+        n_params = self.active_params()  # a tied weight once
         embedding = self.hf.get_input_embeddings()
         if not self.tied and isinstance(embedding, nn.Embedding):  # a vision model's patch embedding is a matmul
             n_params -= embedding.weight.numel()
         # A frozen weight (LoRA's base) costs its forward and the gradient of its input, not its own: 4 per parameter.
-        frozen = sum(p.numel() for p in self.parameters() if not p.requires_grad)
+        frozen = sum(p.numel() for p in self.parameters() if not p.requires_grad) - hf_moe.unused_params(self, frozen=True)
         layers = getattr(text, "num_hidden_layers", 0) + getattr(text, "num_decoder_layers", 0)  # an encoder-decoder: both stacks
         return 6 * n_params - 2 * frozen + 12 * layers * getattr(text, "hidden_size", 0) * self.block_size
 

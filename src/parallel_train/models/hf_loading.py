@@ -200,6 +200,30 @@ def check_kernel(config: Any, task: str, attn_implementation: str | None) -> Non
         )
 
 
+def dropout_keys(config: Any) -> list[str]:
+    """The config's dropout probabilities by name, sub-configs' included (text_config.attention_dropout): every
+    attribute whose name holds "dropout" or ends in "pdrop" (GPT-2's resid_pdrop) and holds a number or None (BERT's
+    classifier_dropout: None follows hidden_dropout_prob)."""
+    keys = []
+    for name, value in vars(config).items():
+        if hasattr(value, "to_dict") and hasattr(value, "model_type"):  # a sub-config (PreTrainedConfig)
+            keys += [f"{name}.{k}" for k in dropout_keys(value)]
+        elif ("dropout" in name or name.endswith("pdrop")) and (value is None or type(value) in (int, float)):
+            keys.append(name)
+    return keys
+
+
+def set_dropout(config: Any, p: float) -> None:
+    """model.dropout on a Hub model: every dropout probability its config names (dropout_keys) set to `p` before the
+    model is built, as a script's config overrides set them (transformers reads them when it builds the layers)."""
+    for key in dropout_keys(config):
+        *parents, name = key.split(".")
+        node = config
+        for parent in parents:
+            node = getattr(node, parent)
+        setattr(node, name, p)
+
+
 def build_model(config: Any, task: str, hf_path: str, dtype: str, attn_implementation: str | None = None) -> torch.nn.Module:
     """The task's `AutoModelFor....from_config` (AUTO_CLASSES): the architecture, with random weights (seeded by the caller) or, built
     under model_init.parameters_on_meta, none at all; pretrained weights come from `weight_files`."""
@@ -226,8 +250,9 @@ def file_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
 def file_keys(model: torch.nn.Module, files: list[Path]) -> dict[str, str]:
     """{the model's name: the name in the files} where the two differ, as from_pretrained renames them: transformers'
     own renamings of older checkpoints (a ViT's `encoder.layer.0.attention.attention.query` is `layers.0.attention.q_proj`
-    now) and the base model's prefix (a BertModel's `embeddings...` is a classifier's `bert.embeddings...`).
-    A checkpoint whose tensors transformers would reshape on loading (merged experts, ...) is refused in one line."""
+    now, Mixtral's `block_sparse_moe.gate` is `mlp.gate`) and the base model's prefix (a BertModel's `embeddings...` is a
+    classifier's `bert.embeddings...`). Tensors that transformers makes from several (a layer's experts, fused) are
+    hf_conversions.py's."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
@@ -238,22 +263,20 @@ def file_keys(model: torch.nn.Module, files: list[Path]) -> dict[str, str]:
     names = {}
     for key in file_shapes(files):
         name, converted = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
-        if converted is not None:
-            raise UserError(
-                f"model weights: {key!r} is stored in a layout transformers converts on loading ({converted}), which this "
-                "template does not read; save the model again with this transformers version (save_pretrained)"
-            )
-        if name != key and name in meta:
+        if converted is None and name != key and name in meta:
             names[name] = key
     return names
 
 
-def new_weights(model: torch.nn.Module, files: list[Path], aliases: dict[str, str]) -> list[str]:
+def new_weights(
+    model: torch.nn.Module, files: list[Path], aliases: dict[str, str], converted: dict[str, tuple[int, ...]] | None = None
+) -> list[str]:
     """The model's weights that the files do not give, as from_pretrained finds them: absent (a new head on a
     pretrained body: `classifier.weight`) or of another shape (a classifier of another number of labels). They start
     from transformers' own initialisation. Tensors of the files that the model lacks (a masked-LM head) are ignored.
-    `aliases`: {name: the name whose tensor it starts as} (tied weights, renamed ones, an untied lm_head)."""
-    shapes = file_shapes(files)
+    `aliases`: {name: the name whose tensor it starts as} (tied weights, renamed ones, an untied lm_head); `converted`: the
+    shapes of the tensors transformers makes from several of the files' (hf_conversions.py: fused experts)."""
+    shapes = {**file_shapes(files), **(converted or {})}
 
     def source(name: str) -> str:
         for _ in range(len(aliases) + 1):  # a tied alias's owner may itself be stored under another name

@@ -65,6 +65,12 @@ def engine_lines(engine: Any, train: Any, global_batch: int, params: dict[str, i
     trainable, total = params["trainable_params"], params["total_params"]
     if trainable < total:  # LoRA: the optimizer holds the adapters only
         lines.append(f"[parallel_train] trainable: {trainable:,} of {total:,} parameters ({100 * trainable / total:.2f}%); the rest frozen")
+    active = params.get("active_params", total)
+    if active < total:  # a mixture of experts: what MFU counts (6 FLOPs per active parameter per token, plus attention)
+        lines.append(
+            f"[parallel_train] mixture of experts: {active:,} of {total:,} parameters active per token ({100 * active / total:.1f}%: a token "
+            "runs only the routed experts it is sent to); MFU counts these"
+        )
     return lines
 
 

@@ -21,9 +21,13 @@ from parallel_train.run.finished import summary_config
 
 def parameter_counts(model: nn.Module) -> dict[str, int]:
     """summary.json's trainable_params and total_params (with LoRA the adapters against the whole model); on the meta
-    device when the model starts there: shapes only, and a tied weight counted once."""
+    device when the model starts there: shapes only, and a tied weight counted once. A mixture of experts adds
+    active_params: each token runs top-k of its routed experts (models/hf_moe.py)."""
     params = list(model.parameters())
-    return {"trainable_params": sum(p.numel() for p in params if p.requires_grad), "total_params": sum(p.numel() for p in params)}
+    counts = {"trainable_params": sum(p.numel() for p in params if p.requires_grad), "total_params": sum(p.numel() for p in params)}
+    if hasattr(model, "active_params"):
+        counts["active_params"] = model.active_params()
+    return counts
 
 
 def train_record(t: Any, loss: float | None, lr: float, units: int) -> dict[str, Any]:

@@ -12,8 +12,9 @@ parameters memory and values (`Initializer.fill`):
   tensor-parallel slice, a pipeline stage. Peak memory: one module, not one model. A tied weight (models/ties.py) is
   filled by its owner's rule under any of its names, and stays one tensor where a rank holds both names.
 - pretrained weights (model.name=hf with hf_pretrained=true): each rank reads its slice of every tensor from
-  the safetensors files (`safe_open(...).get_slice`), never the whole file; tensors the files lack
-  (non-persistent buffers) are initialised as above.
+  the safetensors files (`safe_open(...).get_slice`), never the whole file; a tensor that transformers makes from
+  several (a layer's experts, fused: models/hf_conversions.py) from the file tensors of the rows it holds; tensors the
+  files lack (non-persistent buffers) are initialised as above.
 
 A model opts in by defining `init_weights(self, name: str, module: nn.Module)`, which sets the parameters of
 `module` (whole, on the CPU, drawing from torch's global generator, which the caller seeds) and may look at its
@@ -87,7 +88,9 @@ class Initializer:
         aliases: dict[str, str] | None = None,
         fresh: tuple[str, ...] = (),
         grown: dict[str, int] | None = None,
+        converted=None,
     ):
+        """`converted`: the model's tensors made from several of the files' (models/hf_conversions.py ConvertedTensors)."""
         self.seed = seed
         self.rule: InitRule = getattr(model, "init_weights", None) or default_rule
         self.ties = find_ties(model)  # {alias: owner}: an alias is filled by its owner's rule (models/ties.py)
@@ -99,7 +102,7 @@ class Initializer:
             for n, b in m._buffers.items()
             if b is not None and not b.is_meta
         }
-        self.pretrained = PretrainedTensors(pretrained, aliases or {}, fresh, grown or {}) if pretrained else None
+        self.pretrained = PretrainedTensors(pretrained, aliases or {}, fresh, grown or {}, converted) if pretrained else None
 
     def fill(self, module: nn.Module, device: torch.device) -> None:
         """Give `module`'s parameters (this rank's slices) memory on `device` and their first values. A tied weight
@@ -153,9 +156,12 @@ class PretrainedTensors:
     """Tensors by name from safetensors files; `read` takes only the slice a rank holds (`get_slice`), so no rank
     reads a whole tensor it shards, let alone a whole file."""
 
-    def __init__(self, files: list[Path], aliases: dict[str, str], fresh: tuple[str, ...] = (), grown: dict[str, int] | None = None):
+    def __init__(
+        self, files: list[Path], aliases: dict[str, str], fresh: tuple[str, ...] = (), grown: dict[str, int] | None = None, converted=None
+    ):
         from safetensors import safe_open
 
+        self.converted = converted if converted else {}  # name -> read(name, region) from several file tensors
         self.where: dict[str, tuple[Path, str]] = {}  # model name -> (file, the name in the file)
         for f in files:
             with safe_open(str(f), framework="pt") as handle:
@@ -168,11 +174,13 @@ class PretrainedTensors:
         self.grown = {name: (self.where.pop(name), rows) for name, rows in (grown or {}).items() if name in self.where}
 
     def __contains__(self, key: str) -> bool:
-        return key in self.where
+        return key in self.where or key in self.converted
 
     def read(self, key: str, region: tuple[slice, ...] | None) -> torch.Tensor:
         from safetensors import safe_open
 
+        if key not in self.where:
+            return self.converted.read(key, region)
         path, key = self.where[key]
         with safe_open(str(path), framework="pt") as handle:
             return handle.get_tensor(key) if region is None else handle.get_slice(key)[region]
@@ -239,4 +247,5 @@ def start_model(
         model = model_class(cfg, vocab_size, **extra)
     files = model.pretrained_files() if hasattr(model, "pretrained_files") else None
     fresh, grown = tuple(getattr(model, "new_weights", ())), getattr(model, "grown_weights", None)
-    return model, Initializer(model, seed, files, getattr(model, "weight_aliases", None), fresh, grown)
+    converted = getattr(model, "weight_conversions", None)  # fused experts (models/hf_conversions.py)
+    return model, Initializer(model, seed, files, getattr(model, "weight_aliases", None), fresh, grown, converted)

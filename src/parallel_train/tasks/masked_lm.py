@@ -1,7 +1,9 @@
 """Masked language modelling (run_mlm's layout, line by line): predict the masked tokens of each text.
 
-Rows: `text` (a .txt file: one row per line; another column with data.text_columns=[c]). Each row is one sample,
-encoded with the tokenizer's special tokens ([CLS] text [SEP]), cut and padded to model.block_size. Of its tokens
+Rows: `text` (a .txt file: one row per line; another column with data.text_columns=[c]); a blank row (empty or
+whitespace only) is dropped, as run_mlm's line_by_line drops it. Each row is one sample,
+encoded with the tokenizer's special tokens ([CLS] text [SEP]), cut to model.block_size and padded as text_rows.py pads
+(its mask drawn at model.block_size, so the same whatever its batch's width). Of its tokens
 (never a special token or padding) data.mlm_probability are chosen, as transformers'
 DataCollatorForLanguageModeling chooses them: 80% become the mask token, 10% a random token, 10% stay; the labels
 are the chosen tokens' ids and -100 everywhere else.
@@ -28,6 +30,7 @@ from parallel_train.tasks.text_rows import (
     Encoder,
     check_text_columns,
     column_texts,
+    drop_blank,
     read_rows,
     special_id,
     task_data,
@@ -67,8 +70,12 @@ class MaskedRows(EncodedRows):
         self.special, self.masking = torch.from_numpy(special), masking
 
     def __getitems__(self, positions: list[int]) -> dict[str, torch.Tensor]:
+        return self.cut(self.rows(positions), [p % len(self) for p in positions])
+
+    def rows(self, positions: list[int]) -> dict[str, torch.Tensor]:
+        """Masked at model.block_size (then cut): a sample's mask is the same whatever its batch's width."""
         drawn = [divmod(p, len(self)) for p in positions]  # (epoch, index)
-        batch = super().__getitems__([i for _, i in drawn])
+        batch = super().rows([i for _, i in drawn])
         m = self.masking
         pairs = [
             mask_tokens(ids, self.special[i], generator(m["seed"], m["split"], e, i), m["p"], m["mask_id"], m["vocab_size"])
@@ -80,7 +87,7 @@ class MaskedRows(EncodedRows):
 def load(cfg: Any, saved: Any) -> Any:
     """Data of dict batches: input_ids (masked), attention_mask, labels (B, T)."""
     check_text_columns(cfg.data, NAME, (1,))
-    rows = read_rows(cfg, LAYOUTS, NAME)
+    rows = drop_blank(read_rows(cfg, LAYOUTS, NAME))
     tokenizer = task_tokenizer(cfg, saved, NAME)
     mask_id = special_id(tokenizer.tokenizer, MASK_TOKENS)
     if mask_id is None:

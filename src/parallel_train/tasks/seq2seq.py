@@ -3,7 +3,8 @@
 Rows: `source` and `target`; or `translation`, a dict of texts by language (WMT's rows:
 {"translation": {"en": ..., "de": ...}}), read with data.source_lang and data.target_lang; or run_summarization's
 `text` and `summary`; other names with data.text_columns=[source] and data.label_column=target. Both texts are
-encoded with the tokenizer's special tokens (T5's </s>), cut and padded to model.block_size. The labels are the
+encoded with the tokenizer's special tokens (T5's </s>), cut to model.block_size, each side of a batch padded to its
+own longest (text_rows.py). The labels are the
 target's ids, -100 on its padding; `decoder_input_ids` are the labels shifted right by one, starting with the
 model's decoder_start_token_id (model.hf_path's config.json), padding where the labels are -100: what transformers'
 seq2seq models build from labels themselves. A model that is not an encoder-decoder (a BERT, a GPT-2) is refused first.
@@ -142,7 +143,8 @@ def load(cfg: Any, saved: Any) -> Any:
         arrays = encoder.arrays(encoder.encode(sources))
         target = encoder.arrays(encoder.encode(targets))
         labels = np.where(target["attention_mask"] == 1, target["input_ids"], IGNORE_INDEX)
-        return EncodedRows({**arrays, "decoder_input_ids": shift_right(labels, start, pad), "labels": labels})
+        targets = {k: target["attention_mask"].sum(axis=1) for k in ("decoder_input_ids", "labels")}  # the targets' own length
+        return EncodedRows({**arrays, "decoder_input_ids": shift_right(labels, start, pad), "labels": labels}, targets)
 
     return task_data(cfg, tokenizer, rows, encoded(rows.train, "train"), encoded(rows.val, "validation"))
 

@@ -8,8 +8,10 @@ save_to_disk (a Dataset, or a DatasetDict), or a Hub dataset name. The validatio
 split when it has one, else the last data.val_fraction of the rows, in file order (as data.format=chat splits its
 rows, data/sft.py): the same on every rank and at every launch.
 
-Every row is tokenized once, at start (in-memory data: some hundreds of MB of rows). Every batch is padded to
-model.block_size, so that every batch has one shape (pipelines and torch.compile need one).
+Every row is tokenized once, at start (in-memory data: some hundreds of MB of rows), at model.block_size. Each batch
+is then cut to its longest row, rounded up to a multiple of 8, as the scripts' collators pad; where the layout needs
+one shape for every batch (pipeline stages, torch.compile, tensor parallel: `fixed_shapes`), every batch stays
+model.block_size long. The banner's data line says which.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from torch.utils.data import Dataset
 
 from parallel_train.data.inputs import folder_splits, loading_error, not_text, resolve_inputs, row_datasets
+from parallel_train.data.packing import ALIGN
 from parallel_train.data.text import Data, check_resumed_tokenizer, vocab_size_for
 from parallel_train.data.tokenizers import HFTokenizer, Tokenizer, load_tokenizer, needs_corpus
 from parallel_train.errors import UserError
@@ -188,6 +191,20 @@ def column_texts(rows: Rows, part: dict[str, list], column: str, split: str) -> 
     return [str(t) for t in values]
 
 
+def drop_blank(rows: Rows) -> Rows:
+    """The rows whose text is more than whitespace (a .txt file's blank lines hold nothing to learn: run_mlm's
+    line_by_line drops them too), after the train/validation split as run_mlm drops them; the banner says how many."""
+    column = rows.texts[0]
+    parts, dropped = {}, 0
+    for split, part in (("train", rows.train), ("validation", rows.val)):
+        kept = [i for i, v in enumerate(part[column]) if str(v).strip()]
+        if not kept:
+            raise UserError(f"data.path: every {split} row's {column!r} is blank (of {len(part[column])}); give rows with text")
+        parts[split], dropped = {c: [v[i] for i in kept] for c, v in part.items()}, dropped + len(part[column]) - len(kept)
+    how = rows.how + (f"; {dropped:,} blank row{'s' * (dropped > 1)} dropped" if dropped else "")
+    return Rows(rows.texts, rows.label, parts["train"], parts["validation"], rows.features, how, rows.starts, rows.files)
+
+
 def check_text_columns(d: Any, task: str, counts: tuple[int, ...]) -> None:
     """data.text_columns names as many columns as the task reads."""
     if d.text_columns and len(d.text_columns) not in counts:
@@ -197,7 +214,7 @@ def check_text_columns(d: Any, task: str, counts: tuple[int, ...]) -> None:
         )
 
 
-# ---------------------------------------------------------------- the tokenizer and fixed-length encodings
+# ---------------------------------------------------------------- the tokenizer and encodings cut per batch
 
 
 def task_tokenizer(cfg: Any, saved: Tokenizer | None, task: str) -> HFTokenizer:
@@ -285,22 +302,65 @@ class Encoder:
 
 class EncodedRows(Dataset):
     """Rows encoded once: sample i is {key: arrays[key][i]}; a batch is a dict of (B, ...) int64 tensors (torch's
-    index type), kept as int32 in between: half the memory."""
+    index type), kept as int32 in between: half the memory.
 
-    def __init__(self, arrays: dict[str, np.ndarray]):
+    Encoded at model.block_size, each batch is cut to its longest row, rounded up to a multiple of 8 (as the scripts'
+    collators pad with pad_to_multiple_of=8): what is cut is padding alone, whose labels are -100 and which the
+    attention mask hides, so the loss is the same, in a fraction of the time. Unless `fixed` (task_data: the layouts
+    that need one shape). A row's length is its attention mask's sum; `lengths` gives other keys their own (a
+    seq2seq's targets)."""
+
+    fixed = True  # task_data sets it from the layout (fixed_shapes)
+
+    def __init__(self, arrays: dict[str, np.ndarray], lengths: dict[str, np.ndarray] | None = None):
         self.arrays = arrays
+        self.real = arrays["attention_mask"].sum(axis=1)  # tokens per row
+        self.lengths = lengths or {}
 
     def __len__(self) -> int:
         return len(next(iter(self.arrays.values())))
 
-    def __getitems__(self, indices: list[int]) -> dict[str, torch.Tensor]:
+    def rows(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        """The rows at model.block_size."""
         return {k: torch.from_numpy(v[indices].astype(np.int64)) for k, v in self.arrays.items()}
+
+    def __getitems__(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        return self.cut(self.rows(indices), indices)
+
+    def cut(self, batch: dict[str, torch.Tensor], indices: Any) -> dict[str, torch.Tensor]:
+        """Each (B, T) tensor to the longest of the rows at `indices`, rounded up to ALIGN (at most T)."""
+        if self.fixed:
+            return batch
+        out = {}
+        for key, value in batch.items():
+            if value.dim() == 2:
+                longest = int(self.lengths.get(key, self.real)[indices].max())
+                value = value[:, : min(value.shape[1], -(-longest // ALIGN) * ALIGN)].contiguous()
+            out[key] = value
+        return out
+
+    def widest(self) -> dict[str, torch.Tensor]:
+        """One sample at the widest shape a batch takes (the memory estimate's worst case: data/batch.py)."""
+        return {k: v[0] for k, v in self.cut(self.rows([0]), slice(None)).items()}
+
+
+def fixed_shapes(cfg: Any) -> str | None:
+    """Why every batch must be model.block_size long on this layout (None: it need not): torch's pipeline schedules
+    and torch.compile want one shape, and tensor parallelism keeps to the lengths it divides."""
+    p = cfg.parallel
+    why = [
+        w
+        for w, on in (("pipeline stages", p.pipeline_stages > 1), ("tensor parallel", p.tp > 1), ("torch.compile", cfg.train.compile))
+        if on
+    ]
+    return " and ".join(why) or None
 
 
 def task_data(cfg: Any, tokenizer: HFTokenizer, rows: Rows, train: Dataset, val: Dataset, **fields: Any) -> Data:
     """The Data of a text task: its datasets serve dict batches; the tokenizer folder's config travels with the run
     (beside tokenizer.json, and whatever `fields` add to Data.files: the class names)."""
     files = {**tokenizer_files(cfg.data.tokenizer), **fields.pop("files", {})}
+    train.fixed = val.fixed = fixed_shapes(cfg) is not None
     keys = list(train.__getitems__([0]))
     return Data(
         train, val, tokenizer, vocab_size_for(tokenizer, cfg), description=describe(cfg, rows, keys), files=files, **fields
@@ -311,7 +371,7 @@ def describe(cfg: Any, rows: Rows, keys: list[str]) -> str:
     """The banner's data line."""
     n_train, n_val = len(rows.train[rows.texts[0]]), len(rows.val[rows.texts[0]])
     read = ", ".join((*rows.texts, *([rows.label] if rows.label else [])))
-    return (
-        f"{cfg.data.path}: {n_train:,} train + {n_val:,} val rows ({rows.how}); columns {read} -> {', '.join(keys)}, "
-        f"{cfg.model.block_size} tokens each"
-    )
+    why = fixed_shapes(cfg)
+    padded = f"padded to model.block_size={cfg.model.block_size} ({why}: one shape)" if why else (
+        f"padded to each batch's longest (a multiple of {ALIGN}, at most model.block_size={cfg.model.block_size})")  # fmt: skip
+    return f"{cfg.data.path}: {n_train:,} train + {n_val:,} val rows ({rows.how}); columns {read} -> {', '.join(keys)}, {padded}"
