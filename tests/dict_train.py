@@ -7,7 +7,7 @@ Sources (DATA_SOURCES, data/sources.py), each from the default corpus cut as the
 one token shorter than model.block_size, so that a dict's input ids (the whole window, transformers' convention)
 fit the model:
     windows_dicts    {"input_ids": window, "labels": window}: a causal LM's labels are its input ids; the template
-                     shifts them once (tasks/task.py's align), so the last position learns nothing
+                     shifts them once (core/task.py's align), so the last position learns nothing
     windows_tuples   the same windows as the template's (inputs, targets) tuples: inputs = window[:-1],
                      targets = window[1:]. The same targets as windows_dicts, one input token less (a causal model's
                      logits at a position see nothing after it): the same losses

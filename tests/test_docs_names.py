@@ -43,6 +43,7 @@ ALLOWED_PATHS = {
     r"data/tinyshakespeare/input\.txt": "the corpus's path in karpathy/char-rnn, where data/README.md says it came from",
     r"script\.py": "the reader's own script (guide.md: from a hand-written DDP script)",
     r"my_\w+\.py|FILE\.py": "the reader's own file a key names (eval.metric=FILE.py:FUNCTION)",
+    r"model\.py": "nanoGPT's model.py (performance.md: what configs/shakespeare_char_cpu.yaml copies from it)",
 }
 
 # Dotted names the docs give that are not config keys, each for a reason (fullmatched). Besides these: a Python

@@ -23,10 +23,10 @@ import pytest
 import yaml
 
 from generated import Case, Unchanged, assert_message, assert_result, drawn, named, params, through_train_py
-from parallel_train.config.fields import INT_MAX, fields_of, hints
 from parallel_train.config.load import load_config
 from parallel_train.config.sections import Config
 from parallel_train.config.usage import ROWS
+from parallel_train.core.fields import INT_MAX, fields_of, hints
 from parallel_train.data.sources import check_source
 from parallel_train.errors import UserError
 from parallel_train.models import MODELS
@@ -96,7 +96,7 @@ def bad_values(tp: type, meta: dict) -> list[tuple[str, str]]:
         high = meta["below"] if meta.get("below") is not None else meta.get("max")
         if low is not None:  # just past the bound: min - 1, or the exclusive bound itself
             values.append(("range", str(low - (1 if meta.get("min") is not None else 0))))
-        if high is not None or tp is int:  # every integer is at most INT_MAX (config/fields.py)
+        if high is not None or tp is int:  # every integer is at most INT_MAX (core/fields.py)
             values.append(("range", str(high + (1 if meta.get("max") is not None else 0) if high is not None else INT_MAX + 1)))
         if tp is float:
             values += [("range", "nan"), ("range", "inf")]

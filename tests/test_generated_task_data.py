@@ -23,9 +23,9 @@ import pytest
 
 import hf_tiny
 from generated import Case, Unchanged, assert_message, assert_result, params, through_train_py
-from parallel_train.config.fields import fields_of
 from parallel_train.config.load import load_config
 from parallel_train.config.sections import DataConfig
+from parallel_train.core.fields import fields_of
 from parallel_train.data.inputs import LOCAL_FORMATS
 from parallel_train.errors import UserError
 from parallel_train.observe.messages import quiet_third_party

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from helpers import WarmCmd, check, launch_env, read_metrics, run
+from parallel_train.core.task import units_in
 from parallel_train.errors import UserError
 from parallel_train.observe.messages import train_line
 from parallel_train.observe.perf import SYNC_DEBUG, sync_checked, sync_debug_mode
 from parallel_train.tasks.registry import TASKS
-from parallel_train.tasks.task import units_in
 
 STEPS = (
     "model.n_layer=2",

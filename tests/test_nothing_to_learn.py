@@ -20,7 +20,7 @@ import torch
 
 import hf_tiny
 from helpers import REPO, check, launch_env, read_metrics, run, strict_json, summary, warm_cmd
-from parallel_train.checkpoint.json_text import json_text
+from parallel_train.core.json_text import json_text
 from parallel_train.errors import UserError
 
 pytest.importorskip("transformers")
@@ -81,9 +81,9 @@ def test_json_text_writes_null_for_nan_and_inf_and_refuses_what_it_cannot_clean(
 
 def test_every_json_file_the_template_writes_goes_through_json_text():
     """json.dumps is left only where its text is no file of a run: a hash's input, a safetensors header, lines printed
-    for a parent process. Any new writer must use json_text (checkpoint/json_text.py)."""
+    for a parent process. Any new writer must use json_text (core/json_text.py)."""
     allowed = {
-        "src/parallel_train/checkpoint/json_text.py": 2,  # its docstring, and the one call
+        "src/parallel_train/core/json_text.py": 2,  # its docstring, and the one call
         "src/parallel_train/data/prepare.py": 1,  # the inputs' fingerprint (a hash)
         "src/parallel_train/checkpoint/storage.py": 1,  # DCP's safetensors metadata
         "src/parallel_train/checkpoint/export.py": 2,  # the safetensors header and its ties

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from helpers import TINY, check, launch_env, run, train_cmd, warm_cmd, warm_script
-from parallel_train.config.fields import key_name
 from parallel_train.config.sections import REPO_ROOT, Config
+from parallel_train.core.fields import key_name
 
 pytestmark = pytest.mark.multiprocess
 

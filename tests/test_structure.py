@@ -14,6 +14,7 @@ from helpers import REPO
 
 PACKAGE = REPO / "src" / "parallel_train"
 MAX_FUNCTION_LINES = 80
+MAX_TRAINER_LINES = 250  # the Trainer class (issue 37: it reads top to bottom)
 
 
 def module_name(path: Path) -> str:
@@ -104,21 +105,9 @@ def test_no_function_in_the_package_is_over_80_lines():
 
 # The floors of the house, lowest first (docs/contributing.md, "Project layout"). A module may import modules on its
 # own floor or below, never above: models and data never reach for an engine, checkpoints never for the trainer.
-# The longest matching name decides (parallel.collectives sits on the ground floor, the rest of parallel/ on 4;
-# checkpoint.json_text too: data/ writes prepared.json with it).
+# Floors hold rooms only (a top-level module or a subpackage): what rooms on several floors share lives in core/.
 FLOORS = {
-    0: (
-        "errors",
-        "faults",
-        "tasks.task",
-        "losses",
-        "eval_metrics",
-        "config.fields",
-        "config.model",
-        "parallel.collectives",
-        "models.ties",
-        "checkpoint.json_text",
-    ),
+    0: ("errors", "faults", "losses", "eval_metrics", "core"),
     1: ("models",),
     2: ("config", "data", "optim", "tasks"),
     3: ("checkpoint", "observe", "run"),
@@ -129,16 +118,27 @@ FLOORS = {
 
 
 def floor(module: str) -> int:
-    """The floor of `parallel_train.<...>`: of the longest prefix FLOORS names."""
-    name = module.removeprefix("parallel_train.")
-    best = max((p for ps in FLOORS.values() for p in ps if name == p or name.startswith(p + ".")), key=len, default=None)
-    assert best is not None, f"{module} is on no floor: add it to FLOORS"
-    return next(f for f, ps in FLOORS.items() if best in ps)
+    """The floor of `parallel_train.<room>...`: of its room (a top-level module or a subpackage)."""
+    room = module.removeprefix("parallel_train.").split(".")[0]
+    found = [f for f, rooms in FLOORS.items() if room in rooms]
+    assert found, f"{module}: its room {room} is on no floor: add it to FLOORS"
+    return found[0]
+
+
+def test_floors_name_rooms_only():
+    """A floor holds whole rooms, so the folder names say the layering: no module inside a room is on a floor of its
+    own (a piece that rooms on several floors share moves to core/), and every room is on exactly one floor."""
+    named = [room for rooms in FLOORS.values() for room in rooms]
+    assert not [room for room in named if "." in room], "FLOORS names a module inside a room: move it to a room"
+    assert len(named) == len(set(named)), "a room on two floors"
+    rooms = {p.stem for p in PACKAGE.glob("*.py") if p.name != "__init__.py"}
+    rooms |= {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert rooms == set(named), f"rooms on no floor: {sorted(rooms - set(named))}; floors naming no room: {sorted(set(named) - rooms)}"
 
 
 def test_no_module_imports_a_floor_above_its_own():
-    """Dependency direction: a lower floor never imports a higher one (package __init__ files hold only docstrings,
-    so importing `parallel_train.parallel.collectives` does not count as importing the engines)."""
+    """Dependency direction, room by room: a lower floor never imports a higher one (package __init__ files hold only
+    docstrings, so importing `parallel_train.run.resume` runs nothing of run/ but resume.py and what it imports)."""
     packages = {module_name(p) for p in PACKAGE.rglob("__init__.py")}
     up = []
     for module, targets in import_graph().items():
@@ -157,16 +157,28 @@ def test_package_init_files_are_docstrings_only():
         assert ast.get_docstring(tree) and len(tree.body) == 1, f"{init.relative_to(REPO)}: a docstring and nothing else"
 
 
+def test_the_trainer_is_at_most_250_lines_and_reads_top_to_bottom():
+    """The Trainer keeps the run's order and hands each phase to its room (run/, observe/, evaluation.py, ...): its class
+    is at most 250 lines, set-up first, then the loop, then the end."""
+    tree = ast.parse((PACKAGE / "trainer.py").read_text())
+    (trainer,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Trainer"]
+    lines = trainer.end_lineno - trainer.lineno + 1
+    assert lines <= MAX_TRAINER_LINES, f"the Trainer class is {lines} lines: move a phase to the room it belongs to"
+    methods = [node.name for node in trainer.body if isinstance(node, ast.FunctionDef)]
+    order = [methods.index(name) for name in ("__init__", "run", "train", "finish", "close")]
+    assert order == sorted(order), f"the Trainer's methods out of order (set up, the loop, the end): {methods}"
+
+
 def test_at_most_ten_modules_at_the_top_of_the_package():
     top = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
     assert len(top) <= 10, top
 
 
 def test_every_task_name_has_its_module_in_the_registry():
-    """model.task's choices (tasks/task.py) and the registry (tasks/registry.py) name the same tasks, and the models'
-    table of Auto classes (tasks/task.py AUTO_CLASSES) says what each task module says."""
+    """model.task's choices (core/task.py) and the registry (tasks/registry.py) name the same tasks, and the models'
+    table of Auto classes (core/task.py AUTO_CLASSES) says what each task module says."""
+    from parallel_train.core.task import AUTO_CLASSES, LABELLED, TASK_NAMES
     from parallel_train.tasks.registry import TASKS
-    from parallel_train.tasks.task import AUTO_CLASSES, LABELLED, TASK_NAMES
 
     assert tuple(TASKS) == TASK_NAMES
     assert AUTO_CLASSES == {name: task.auto_class for name, task in TASKS.items()}

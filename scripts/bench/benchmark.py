@@ -33,7 +33,7 @@ from pathlib import Path
 
 from common import DOC, REPO, free_port, update_docs
 
-from parallel_train.checkpoint.json_text import json_text  # JSON without NaN (null instead)
+from parallel_train.core.json_text import json_text  # JSON without NaN (null instead)
 
 PYTHON = sys.executable
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")

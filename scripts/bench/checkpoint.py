@@ -42,7 +42,7 @@ from pathlib import Path
 
 from common import REPO, update_docs
 
-from parallel_train.checkpoint.json_text import json_text  # JSON without NaN (null instead)
+from parallel_train.core.json_text import json_text  # JSON without NaN (null instead)
 
 DOC_START, DOC_END = "<!-- bench_checkpoint:start -->", "<!-- bench_checkpoint:end -->"
 MODES = ("gathered", "sharded", "async")

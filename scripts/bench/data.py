@@ -37,7 +37,7 @@ from pathlib import Path
 
 from common import DOC, REPO, update_docs
 
-from parallel_train.checkpoint.json_text import json_text  # JSON without NaN (null instead)
+from parallel_train.core.json_text import json_text  # JSON without NaN (null instead)
 
 PYTHON = sys.executable
 DOC_START, DOC_END = "<!-- bench_data:start -->", "<!-- bench_data:end -->"

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from common import REPO, update_docs  # scripts/bench/common.py: the benchmarks' shared part (puts REPO/src on sys.path)
 
-from parallel_train.checkpoint.json_text import json_text  # JSON without NaN (null instead)
+from parallel_train.core.json_text import json_text  # JSON without NaN (null instead)
 
 PYTHON = sys.executable
 DOC_START, DOC_END = "<!-- bench_finetune:start -->", "<!-- bench_finetune:end -->"

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from common import BARE_RUN, REPO
 
-from parallel_train.checkpoint.json_text import json_text
+from parallel_train.core.json_text import json_text
 
 MIB = 2**20
 # hidden, intermediate, layers, heads, kv heads, vocabulary, tokens per sample, samples per step

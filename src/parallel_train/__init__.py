@@ -3,11 +3,10 @@
 The house, by floor (lower floors never import higher ones: tests/test_structure.py):
 
     0  errors, faults, losses, eval_metrics     one-line errors, test-only faults, the loss and the metrics you edit
-       config/fields, config/model              how a key is declared; the keys every model has
-       parallel/collectives, models/ties        small agreements between ranks; tied weights found in any model
-       checkpoint/json_text                     every JSON file written without NaN or Infinity (null instead)
+       core/                                    small agreements between ranks, the JSON writer, how a key is
+                                                declared, the keys every model has, the table of tasks
     1  models/                                  the models and their registry
-    2  config/, data/, optim                    the run's keys; what feeds the model; optimizer and schedule
+    2  config/, data/, optim, tasks/            the run's keys; what feeds the model; optimizer and schedule; tasks
     3  checkpoint/, observe/, run/              checkpoints and exports; what a run shows; the run's folder
     4  parallel/                                every way of distributing: engines, mesh, sharding, pipelines
     5  step, evaluation, guards                 the one optimizer step, evaluation, stop signals and non-finite steps

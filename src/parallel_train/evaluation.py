@@ -18,13 +18,16 @@ rank stops with that line at once (else the others report a failed collective, o
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 import torch
 
+from parallel_train.core.collectives import all_gather
 from parallel_train.data.batch import parts, rows, size
 from parallel_train.errors import UserError
 from parallel_train.eval_metrics import Metric, add_stats, add_totals, metric_stats, metric_values
 from parallel_train.losses import logits_of
-from parallel_train.parallel.collectives import all_gather
 from parallel_train.parallel.vocab_metrics import cut_by_vocabulary, stats_on_shards
 
 
@@ -69,3 +72,13 @@ def sum_over_ranks(totals: dict[str, torch.Tensor] | None, failed: str | None = 
     for part in filter(None, parts):
         summed = add_totals(summed, part)
     return summed
+
+
+def evaluate_or_stop(engine, batches, metrics: list[Metric], step: int, save: Callable[[], Path]) -> dict[str, float | None]:
+    """`evaluate`, where a metric that fails (eval.metric: every rank raises alike) stops the run after `save` wrote
+    step `step`'s checkpoint (a collective, as the evaluation was: every rank is here) and returned its folder."""
+    try:
+        return evaluate(engine, batches, metrics)
+    except UserError as e:
+        where = save()
+        raise UserError(f"{e} (step {step}'s checkpoint is written first: {where}; a rerun resumes from it)") from None

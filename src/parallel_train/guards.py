@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
+from parallel_train.core.collectives import all_reduce_small
 from parallel_train.errors import PROGRESS, UserError
-from parallel_train.parallel.collectives import all_reduce_small
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 AGREE_EVERY = 16

@@ -10,6 +10,7 @@ draws them and compares the defaults with torch's AdamW and transformers' Traine
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import nn
@@ -81,3 +82,14 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch
     """Steps once per optimizer step. Not passed to accelerator.prepare: accelerate's wrapper would step
     it once per process per step (num_processes times) unless batches are split."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.learning_rate)
+
+
+def step_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler, empty: bool) -> None:
+    """The schedule's step after each optimizer step; also after a step with no token to learn (`empty`: no update was
+    taken, step.py), whose rate the schedule moves past as planned."""
+    if not empty:
+        scheduler.step()
+        return
+    with warnings.catch_warnings():  # torch's warning of a schedule stepped before its optimizer: here that is the plan
+        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler")
+        scheduler.step()

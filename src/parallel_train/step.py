@@ -20,7 +20,7 @@ skips. Every rank takes the same decision: the count is summed over all ranks.
 No host sync on a step that neither logs nor agrees (issue 27): on a GPU every wait for the device stops the host from
 queueing the next kernels. The count is made on the device (a fill, or the host's count of the CPU batch all-reduced
 there), never read; what throughput counts is counted on the host from the CPU batch before it moves
-(tasks/task.py `units_in`). The empty step is decided on the device too: its forward and backward run (a loss of 0,
+(core/task.py `units_in`). The empty step is decided on the device too: its forward and backward run (a loss of 0,
 gradients of 0) and the optimizer is handed the verdict as `found_inf`, the flag with which torch's fused optimizers
 skip an update on the device (GradScaler's own way): weights and moments stay as they were. Its flag is read with the
 others when the loop syncs anyway (`settle`: log, checkpoint, end). Where the optimizer cannot skip on the device (not
@@ -39,15 +39,15 @@ micro-batch means that the loop computed before the loss was counted per token.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
 from parallel_train.checkpoint.named_state import torch_optimizer
+from parallel_train.core.collectives import all_reduce_small
 from parallel_train.data.batch import Batch, targets
 from parallel_train.losses import valid_on_host
-from parallel_train.parallel.collectives import all_reduce_small
 from parallel_train.parallel.precision import Precision
 
 
@@ -66,7 +66,7 @@ class Stepper:
     def __init__(self, engine, precision: Precision, cfg, every_target_counts: bool, gate, units=lambda b: 0) -> None:
         self.engine, self.precision, self.cfg, self.gate = engine, precision, cfg, gate  # cfg: the train section
         self.every_target_counts = every_target_counts  # the data has no IGNORE_INDEX targets: count = numel
-        self.units = units  # a CPU batch -> what throughput counts in it (tasks/task.py units_in)
+        self.units = units  # a CPU batch -> what throughput counts in it (core/task.py units_in)
         self.world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         self.skipped_by_scaler = 0  # fp16 steps whose update the loss scaler skipped (an overflow), as of the last settle
         self.skipped_empty = 0  # steps with no target to learn on any rank, skipped, as of the last settle
@@ -149,15 +149,19 @@ class Stepper:
         scaler.update()
         self._scaler_skips.append(scaler._get_scale_async() < before)
 
-    def settle(self) -> list[int]:
+    def settle(self, say: Callable[[str], None] | None = None) -> list[int]:
         """Read the verdicts of the steps since the last call, in one copy to the host (call it where the loop syncs
-        anyway: log, checkpoint, end); add them to the counters. Returns the steps skipped with nothing to learn."""
+        anyway: log, checkpoint, end); add them to the counters. Returns the steps skipped with nothing to learn. A
+        step with no token to learn is still a step of the schedule; the first one is `say`d, the rest are counted."""
+        first = self.skipped_empty == 0
         flags = [f for _, f in self._empty if isinstance(f, torch.Tensor)] + self._scaler_skips
         read = iter(torch.stack([f.reshape(()).to(torch.int64) for f in flags]).tolist() if flags else [])
         empty = [number for number, f in self._empty if (f if isinstance(f, bool) else next(read))]
         self.skipped_by_scaler += sum(read)  # what is left: the scaler's verdicts
         self.skipped_empty += len(empty)
         self._empty, self._scaler_skips = [], []
+        if empty and first and say is not None:
+            say(f"notice: step {empty[0]} has no token to learn on any rank: skipped (no update); counted in skipped_empty_steps")
         return empty
 
     @property

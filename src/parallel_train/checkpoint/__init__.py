@@ -4,9 +4,9 @@ each rank's tensors through torch DCP as safetensors (`storage.py`), a rank's st
 (`named_state.py`: `RankState`, what loads into any topology), the training state beside the tensors
 (`train_state.py`), whole weights from a checkpoint (`export.py`) and files written whole or not at all when a disk
 fills up (`disk.py`), and the one writer of what a user keeps: each folder lists its files' sha256, and nothing the
-template did not write, or that changed since, is replaced (`writer.py`). `json_text.py`, the one JSON writer of
-every file (no NaN or Infinity: null), sits on the ground floor: data/ and the scripts use it too.
+template did not write, or that changed since, is replaced (`writer.py`). Every JSON file goes through the one writer
+on the ground floor (core/json_text.py: no NaN or Infinity, null).
 
-May import: config, errors, faults, models.ties, parallel.collectives. Never an engine or the trainer: engines hand
+May import: core, config, errors, faults, models (ties). Never an engine or the trainer: engines hand
 checkpoints a `RankState`.
 """

@@ -47,14 +47,14 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from parallel_train import faults
 from parallel_train.checkpoint import storage
 from parallel_train.checkpoint.disk import as_os_error, free_bytes, human
-from parallel_train.checkpoint.json_text import json_text
 from parallel_train.checkpoint.listing import best_checkpoint, checkpoint_name, checkpoint_step, list_checkpoints, prune  # noqa: F401  (scripts and tests)
 from parallel_train.checkpoint.manifest import MANIFEST, SHARD_DIR, fsync, record, refuse_code, verify, verify_spread, write_manifest  # noqa: F401  (checkpoint.verify: scripts and tests)
 from parallel_train.checkpoint.named_state import RankState, load_into, merge_meta, rank_tensors, templates
 from parallel_train.checkpoint.train_state import TrainingState
+from parallel_train.core.collectives import all_gather, all_reduce_small, gather_to_rank0
+from parallel_train.core.collectives import rank as this_rank
+from parallel_train.core.json_text import json_text
 from parallel_train.errors import UserError
-from parallel_train.parallel.collectives import all_gather, all_reduce_small, gather_to_rank0
-from parallel_train.parallel.collectives import rank as this_rank
 
 # ---------------------------------------------------------------- save
 

@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from parallel_train.checkpoint.json_text import json_text
 from parallel_train.checkpoint.manifest import SHARD_DIR
 from parallel_train.checkpoint.named_state import MODEL
 from parallel_train.checkpoint.storage import SHARDING_INFO
+from parallel_train.core.json_text import json_text
 from parallel_train.models.ties import TIED_KEY, ties_from_metadata, with_aliases
 
 INDEX = "model.safetensors.index.json"  # the Hugging Face name for a sharded model's weight map

@@ -21,9 +21,9 @@ from typing import Any
 from safetensors import safe_open
 
 from parallel_train import faults
-from parallel_train.checkpoint.json_text import json_text
+from parallel_train.core.collectives import all_gather, from_rank0
+from parallel_train.core.json_text import json_text
 from parallel_train.errors import UserError
-from parallel_train.parallel.collectives import all_gather, from_rank0
 
 MANIFEST = "manifest.json"
 SHARD_DIR = "shards"  # each rank's model and optimizer tensors (checkpoint/storage.py); nothing else goes there

@@ -38,6 +38,13 @@ class TrainingState:
     # checkpoint holds the whole model.
     base_model: dict[str, str] | None = None
 
+    def add_eval(self, val: dict[str, float | None], step: int) -> None:
+        """An evaluation's numbers (`val`: "loss" first, then each metric): the last one's, and the best loss so far."""
+        self.final_val_loss, self.final_val_step = val["loss"], step
+        self.final_val_metrics = {f"val_{name}": value for name, value in val.items()}
+        if val["loss"] is not None and (self.best_val_loss is None or val["loss"] < self.best_val_loss):
+            self.best_val_loss = val["loss"]
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import TypeVar
 
 from parallel_train.checkpoint.disk import as_os_error, free_bytes, human, write_atomic
-from parallel_train.checkpoint.json_text import json_text
 from parallel_train.checkpoint.manifest import sha256 as sha256_of  # hashlib.file_digest, as a checkpoint's manifest
+from parallel_train.core.json_text import json_text
 from parallel_train.errors import UserError
 
 T = TypeVar("T")

@@ -1,7 +1,6 @@
-"""The run's config: `sections.py` (every key, typed, with a default, a range and a help line), `load.py` (defaults
-<- YAML files <- `key=value` overrides, validated; `--help`), `fields.py` (how a key is declared and checked) and
-`model.py` (`ModelConfig`, the keys every model has; each model adds its own beside it).
+"""The run's config: `sections.py` (every key, typed, with a default, a range and a help line) and `load.py` (defaults
+<- YAML files <- `key=value` overrides, validated; `--help`). How a key is declared and the keys every model has live
+on the ground floor (core/fields.py, core/model_config.py): models build their keys from them.
 
-May import: errors, models (the registry, to parse `model.*` keys). fields.py and model.py import nothing of the
-template but errors: models build their keys from them.
+May import: core, errors, models (the registry, to parse `model.*` keys), data, tasks.
 """

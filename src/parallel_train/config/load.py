@@ -16,9 +16,9 @@ from typing import Any
 import yaml
 
 from parallel_train.config import usage
-from parallel_train.config.fields import check, check_section, coerce, fields_of, hints, key_name, type_name
-from parallel_train.config.model import ModelConfig
 from parallel_train.config.sections import REPO_ROOT, Config
+from parallel_train.core.fields import check, check_section, coerce, fields_of, hints, key_name, type_name
+from parallel_train.core.model_config import ModelConfig
 from parallel_train.errors import UserError, is_first_process
 from parallel_train.models import MODELS
 

@@ -1,6 +1,6 @@
 """The run's config: its sections and keys, each a typed dataclass field with a default, a range and a one-line help
 (`train.py --help` prints them, so the help never drifts from the code). load.py reads YAML files and
-`section.key=value` overrides into these classes; models declare their own keys beside the model (config/model.py).
+`section.key=value` overrides into these classes; models declare their own keys beside the model (core/model_config.py).
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from parallel_train.config.fields import as_dict, opt
-from parallel_train.config.model import ModelConfig
+from parallel_train.core.fields import as_dict, opt
+from parallel_train.core.model_config import ModelConfig
 from parallel_train.models import MODELS
 
 REPO_ROOT = Path(__file__).resolve().parents[3]

@@ -16,9 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from parallel_train.config.fields import fields_of
+from parallel_train.core.fields import fields_of
+from parallel_train.core.task import LABELLED
 from parallel_train.errors import UserError
-from parallel_train.tasks.task import LABELLED
 
 SAMPLES = "data.format=chat or instruction"
 DECAYING = "train.lr_schedule=cosine, linear or wsd"

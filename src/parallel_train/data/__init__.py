@@ -3,5 +3,5 @@ the loaders every source ends in (`text.py`: `Data`, windows, `train_loader`, `v
 Hub datasets (`inputs.py`), tokenizers (`tokenizers.py`), the samples of each optimizer step (`batch_sampler.py`,
 `permutation.py`), token shards prepared once (`prepare.py`, `prepared.py`) and streams (`streaming.py`).
 
-May import: config, errors, losses (IGNORE_INDEX), faults, parallel.collectives. Never an engine or the trainer.
+May import: core, config, errors, losses (IGNORE_INDEX), faults. Never an engine or the trainer.
 """

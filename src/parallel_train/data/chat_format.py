@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from parallel_train.checkpoint.json_text import json_text
+from parallel_train.core.json_text import json_text
 from parallel_train.errors import UserError
 
 FILES = ("chat_template.jinja", "tokenizer_config.json")  # what save_pretrained writes beside tokenizer.json

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from parallel_train import faults
-from parallel_train.checkpoint.json_text import json_text
+from parallel_train.core.json_text import json_text
 from parallel_train.data.inputs import Source, load_source, resolve_inputs
 from parallel_train.data.prepared import CHAT_FILES, FORMAT, META, SPLITS, VERSION, read_meta, shard_name, shard_problem, token_dtype
 from parallel_train.data.tokenizers import HF_FILE, VOCAB_FILE, Tokenizer, load_tokenizer, needs_corpus

@@ -32,13 +32,13 @@ import torch
 from torch.utils.data import Dataset
 
 from parallel_train.config.sections import Config
+from parallel_train.core.collectives import all_gather
 from parallel_train.data.chat_format import FILES as CHAT_FILES  # the chat template, saved beside the tokenizer
 from parallel_train.data.prepared_samples import PreparedSamples, companion_problem
 from parallel_train.data.sft import sample_datasets, truncated_away
 from parallel_train.data.text import Data, vocab_size_for
 from parallel_train.data.tokenizers import Tokenizer, load_saved
 from parallel_train.errors import UserError
-from parallel_train.parallel.collectives import all_gather
 
 META = "prepared.json"
 FORMAT, VERSION = "parallel-train prepared tokens", 1

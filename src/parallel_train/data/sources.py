@@ -17,14 +17,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from parallel_train.config.fields import check
 from parallel_train.config.sections import Config
+from parallel_train.core.fields import check
+from parallel_train.core.task import DEFAULT
 from parallel_train.data.prepared import any_rank, is_prepared, load_prepared
 from parallel_train.data.sft import load_samples
 from parallel_train.data.streaming import load_stream
 from parallel_train.data.text import Data, build_datasets
 from parallel_train.data.tokenizers import check_spec
-from parallel_train.tasks.task import DEFAULT
 
 DATA_SOURCES: dict[str, Callable[[Config, Any], Data]] = {
     "text": build_datasets,

@@ -32,11 +32,11 @@ import torch
 from torch.utils.data import Dataset
 
 from parallel_train.config.sections import Config
+from parallel_train.core.collectives import all_gather
 from parallel_train.data.inputs import LOCAL_FORMATS, loading_error
-from parallel_train.data.text import Data, check_resumed_tokenizer, vocab_size_for
+from parallel_train.data.text import Data, check_resumed_tokenizer, train_loader, vocab_size_for
 from parallel_train.data.tokenizers import Tokenizer, load_tokenizer, needs_corpus
 from parallel_train.errors import UserError
-from parallel_train.parallel.collectives import all_gather
 
 VAL_SPLITS = ("validation", "valid", "val", "test")
 
@@ -314,3 +314,15 @@ def position_for(saved: dict[str, Any] | None, dp_size: int, dp_rank: int) -> tu
             "part of the stream differs, so the stream starts again from its beginning"
         )
     return saved["ranks"][dp_rank], None
+
+
+def resumed_loader(
+    data: Data, cfg: Config, dp_size: int, dp_rank: int, start_step: int, pin_memory: bool, saved: Any, say: Callable[[str], None]
+):
+    """The training loader from `start_step` on, a stream from this data-parallel rank's saved position (`saved`: the
+    checkpoint's `data_position`); says when a stream saved by another number of data-parallel ranks cannot continue
+    exactly."""
+    position, notice = position_for(saved, dp_size, dp_rank)
+    if notice:
+        say(notice)
+    return train_loader(data, cfg, dp_size, dp_rank, start_step, pin_memory, stream_state=position)

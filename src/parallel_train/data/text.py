@@ -179,7 +179,7 @@ class Data:
     # count of valid targets without asking the other ranks (step.py); False (the safe default for a source you
     # add) counts them, one all-reduce of one number per step.
     all_targets_count: bool = False
-    # What a batch's inputs are, checked against the model's `inputs` (config/model.py): "token ids" or "feature vectors".
+    # What a batch's inputs are, checked against the model's `inputs` (core/model_config.py): "token ids" or "feature vectors".
     inputs: str = "token ids"
     # Files the run saves beside its tokenizer, in output_dir and every checkpoint (name -> text): a chat template
     # and the tokenizer's config (data/chat_format.py), so that scripts/sample.py --chat renders as training did.

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from parallel_train.checkpoint.json_text import json_text
+from parallel_train.core.json_text import json_text
 from parallel_train.errors import UserError
 
 VOCAB_FILE, HF_FILE = "vocab.json", "tokenizer.json"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from parallel_train.config.model import ModelConfig
+from parallel_train.core.model_config import ModelConfig
 from parallel_train.models.gpt import GPT
 from parallel_train.models.hf import HFModel
 from parallel_train.models.mlp import SeedMLP

@@ -25,11 +25,11 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from parallel_train.config.fields import check, opt
+from parallel_train.core.fields import check, opt
 
 MODES = ("none", "full", "selective")
 # `model.activation_checkpointing=true|false` (a bool before the selective mode existed): YAML reads them as booleans,
-# which a string key receives as "yes"/"no" (config/fields.py coerce).
+# which a string key receives as "yes"/"no" (core/fields.py coerce).
 ALIASES = {"yes": "full", "no": "none", "true": "full", "false": "none"}
 
 

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel_train.config.fields import check, opt
-from parallel_train.config.model import ModelConfig
+from parallel_train.core.fields import check, opt
+from parallel_train.core.model_config import ModelConfig
 from parallel_train.errors import UserError
 from parallel_train.models import document_mask
 from parallel_train.models.activation_checkpoint import Checkpointing, check_option, mode_field, option_field

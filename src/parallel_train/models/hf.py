@@ -3,7 +3,7 @@
     python train.py model.name=hf model.hf_path=PATH_OR_HUB_NAME data.tokenizer=PATH_OR_HUB_NAME
     python train.py model.name=hf model.task=sequence-classification model.hf_path=A_BERT_FOLDER ...
 
-`HFModel` builds the task's Auto class (tasks/task.py AUTO_CLASSES: AutoModelForCausalLM, ...ForSequenceClassification,
+`HFModel` builds the task's Auto class (core/task.py AUTO_CLASSES: AutoModelForCausalLM, ...ForSequenceClassification,
 ...ForTokenClassification, ...ForMaskedLM, ...ForSeq2SeqLM, ...ForImageClassification) from the folder's config.json
 and loads its weights (model.hf_pretrained=true: fine-tune them) or keeps random ones (false: pre-train), and gives it
 the template's model contract:
@@ -43,8 +43,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallel_train.config.fields import check, opt
-from parallel_train.config.model import ModelConfig
+from parallel_train.core.fields import check, opt
+from parallel_train.core.model_config import ModelConfig
+from parallel_train.core.task import DEFAULT, LABELLED, TASK_NAMES
 from parallel_train.errors import UserError
 from parallel_train.models import (
     hf_conversions,
@@ -59,7 +60,6 @@ from parallel_train.models import (
 )
 from parallel_train.models.activation_checkpoint import Checkpointing, check_option, mode_field, option_field
 from parallel_train.models.ties import find_ties, with_aliases
-from parallel_train.tasks.task import DEFAULT, LABELLED, TASK_NAMES
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """A trained model.name=hf model as a Hugging Face model folder: what the task's Auto class (AutoModelForCausalLM,
-AutoModelForSequenceClassification, ...: tasks/task.py AUTO_CLASSES) and `AutoTokenizer.from_pretrained` load.
+AutoModelForSequenceClassification, ...: core/task.py AUTO_CLASSES) and `AutoTokenizer.from_pretrained` load.
 
     output_dir/hf/config.json               the model's config (untied if model.untie_embeddings=true; a classifier's
                                             num_labels, id2label and label2id: the run's class names)

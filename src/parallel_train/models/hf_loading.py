@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
+from parallel_train.core.task import AUTO_CLASSES
 from parallel_train.errors import UserError
-from parallel_train.tasks.task import AUTO_CLASSES
 
 INSTALL = "pip install -r requirements-hf.txt"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -153,7 +153,7 @@ def check_task(config: Any, task: str, hf_path: str) -> None:
         )
 
 
-# Each task's transformers table of model_type -> class (the Auto class of tasks/task.py AUTO_CLASSES builds from it).
+# Each task's transformers table of model_type -> class (the Auto class of core/task.py AUTO_CLASSES builds from it).
 MAPPINGS = {
     "causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
     "sequence-classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",

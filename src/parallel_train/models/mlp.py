@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from parallel_train.config.fields import opt
-from parallel_train.config.model import ModelConfig
+from parallel_train.core.fields import opt
+from parallel_train.core.model_config import ModelConfig
 
 
 @dataclass

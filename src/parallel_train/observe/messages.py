@@ -1,4 +1,5 @@
-"""What a run prints: the per-interval training line, and less noise from third-party libraries.
+"""What a run prints: the start banner, the progress bar, the per-interval training line, each evaluation's line, and
+less noise from third-party libraries.
 
 The trainer prints one start banner, one line per log interval and one per evaluation, from the main
 process only. Library warnings are shown once per node (the first process of each machine; the other
@@ -12,6 +13,42 @@ import os
 import sys
 import warnings
 from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+
+def fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"  # None: not measured yet (no log or eval step so far)
+
+
+def start_line(engine_name: str, world: int, device: Any, precision: str, config_path: str | None, out: Any, tracker: str) -> str:
+    """The banner's first line: what launched the run, where, and where its outputs go."""
+    return (
+        f"[parallel_train] {engine_name} | world size {world} | device {device} | threads {torch.get_num_threads()} | "
+        f"precision {precision} | config {config_path or 'defaults'} | output_dir {out} | tracker {tracker}"
+    )
+
+
+def progress_bar(max_steps: int, start_step: int, main_process: bool) -> tqdm:
+    """The bar of optimizer steps, on the main process (off when stderr is not a terminal: the plain lines remain)."""
+    return tqdm(total=max_steps, initial=start_step, disable=None if main_process else True, dynamic_ncols=True, desc="train")
+
+
+def bar_fields(record: dict[str, Any]) -> dict[str, str]:
+    """The progress bar's loss and speed, from a train record (tokens/s, or samples/s for a task judged per sample)."""
+    if "samples_per_sec" in record:
+        return {"loss": fmt(record["loss"]), "samples_s": f"{record['samples_per_sec']:,.0f}"}
+    return {"loss": fmt(record["loss"]), "tok_s": f"{record['tokens_per_sec']:,.0f}"}
+
+
+def eval_lines(step: int, train_loss: float | None, val: dict[str, float | None]) -> list[str]:
+    """An evaluation's line (`val`: "loss" first, then each metric), and a notice when nothing was measured."""
+    others = "".join(f", val {name} {fmt(value)}" for name, value in val.items() if name != "loss")
+    lines = [f"step {step}: train loss {fmt(train_loss)}, val loss {fmt(val['loss'])}{others}"]
+    if val["loss"] is None:  # eval_metrics.py: a ratio over nothing is not measured
+        lines.append(f"notice: step {step}: the validation batches hold no token to learn; val metrics are null (not measured)")
+    return lines
 
 
 def engine_lines(engine: Any, train: Any, global_batch: int, params: dict[str, int]) -> list[str]:
@@ -51,7 +88,7 @@ def train_line(record: dict[str, Any], max_steps: int) -> str:
 
 
 def throughput(record: dict[str, Any]) -> str:
-    """`12,345 tok/s` (tokens that are not padding) or `456 samples/s`: the task's units (tasks/task.py)."""
+    """`12,345 tok/s` (tokens that are not padding) or `456 samples/s`: the task's units (core/task.py)."""
     if "samples_per_sec" in record:
         return f"{record['samples_per_sec']:,.1f} samples/s"
     return f"{record['tokens_per_sec']:,.0f} tok/s"

@@ -154,7 +154,7 @@ def process_age_s() -> float | None:
 
 
 class Throughput:
-    """Throughput in the task's units (tokens or samples: tasks/task.py) over each log interval, not counting the pauses
+    """Throughput in the task's units (tokens or samples: core/task.py) over each log interval, not counting the pauses
     for evaluation and checkpoints; the steady rate over the whole run leaves out the first interval (compilation,
     allocator and cache warm-up). `add` takes this rank's count; `interval` the count over every rank, when given."""
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from parallel_train.checkpoint.disk import write_atomic, write_error
-from parallel_train.checkpoint.json_text import json_text
+from parallel_train.core.json_text import json_text
 from parallel_train.errors import UserError, is_first_process
 
 if TYPE_CHECKING:  # accelerate costs seconds to import; the trainer imports it when it needs it

@@ -9,7 +9,6 @@
     parts.py            a model's parts by name (pipeline units, FSDP blocks)
     accelerator.py, launch_env.py, elastic.py   the launch: the Accelerator, the launcher's environment, restarts
     memory_estimate.py  memory per rank before launching (activation_memory.py: what a forward keeps, measured)
-    collectives.py      small agreements between ranks (the ground floor: anyone may import it)
 
-May import: config, models, checkpoint (RankState), errors, losses. Never the trainer, the step or evaluation.
+May import: core, config, models, checkpoint (RankState), errors, losses. Never the trainer, the step or evaluation.
 """

@@ -24,6 +24,7 @@ from parallel_train.parallel.ddp_engine import DataParallelEngine, OptimizerFact
 from parallel_train.parallel.engine import Engine
 from parallel_train.parallel.mesh import MeshLayout, resolve_layout
 from parallel_train.parallel.mesh_engine import MeshEngine
+from parallel_train.parallel.model_init import Whole
 from parallel_train.parallel.pipeline.distributed import MultiProcessPipelineEngine
 from parallel_train.parallel.pipeline.inprocess import InProcessPipelineEngine
 from parallel_train.parallel.precision import Precision
@@ -92,3 +93,13 @@ def describe(accelerator) -> str:
         "1 process" if accelerator.num_processes == 1 else f"{accelerator.num_processes} processes"
     )  # the engine line says how they split the work
     return f"{kind} ({dist}, backend {backend}, {nodes} node{'s' if nodes > 1 else ''}, host {socket.gethostname()})"
+
+
+def whole_start_notice(init: object, cfg: Config, world: int) -> str | None:
+    """A notice when a model that is split over the ranks starts whole on every rank (no meta-device start)."""
+    if not (isinstance(init, Whole) and splits_the_model(cfg, world)):
+        return None
+    return (
+        f"notice: model.name={cfg.model.name} has no init_weights(name, module), so every rank builds the whole model "
+        "before it is sharded; add one for a meta-device start (models/gpt.py, src/parallel_train/parallel/model_init.py)"
+    )

@@ -4,6 +4,6 @@ resumed run may change in its config (`resume_config.py`), the folder an export 
 checkpoint or a user's files (`export_dir.py`; written by checkpoint/writer.py), and a run that finished there launched again
 (`finished.py`: nothing to train, or refused; never trained again from step 0).
 
-May import: config, checkpoint, errors, parallel.collectives, and the names of the files a run writes (data, tasks,
+May import: core, config, checkpoint, errors, and the names of the files a run writes (data, tasks,
 observe). Never an engine or the trainer.
 """

@@ -13,6 +13,7 @@ from typing import Any
 
 from parallel_train.checkpoint.disk import write_error
 from parallel_train.checkpoint.export import checkpoint_weights, export, load_weights
+from parallel_train.checkpoint.listing import checkpoint_name
 from parallel_train.checkpoint.writer import check_file, record, write_folders
 
 
@@ -22,6 +23,13 @@ def own_folders(model_cfg: Any, own_format: Callable | None) -> tuple[str, ...]:
     if own_format is None:
         return ()
     return ("hf", "adapter") if getattr(model_cfg, "lora_rank", 0) else ("hf",)
+
+
+def final_checkpoint(root: Path, max_steps: int, resumed_from: Path | None) -> Path | None:
+    """The checkpoint the final weights come from: train.max_steps's, or the one a run resumed from when it was
+    already there (nothing trained, no checkpoint written)."""
+    final = root / checkpoint_name(max_steps)
+    return final if final.is_dir() else resumed_from
 
 
 def write_final_weights(

@@ -29,8 +29,8 @@ from typing import Any
 
 from parallel_train.config.load import flatten
 from parallel_train.config.sections import Config
+from parallel_train.core.collectives import from_rank0, rank
 from parallel_train.errors import UserError
-from parallel_train.parallel.collectives import from_rank0, rank
 from parallel_train.run.resume_config import differences, saved_config
 
 SUMMARY = "summary.json"

@@ -33,16 +33,21 @@ import os
 import re
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from parallel_train.checkpoint.json_text import json_text
+import yaml
+
 from parallel_train.checkpoint.writer import LISTING, check_file, check_folder, listed, record, write_file
 from parallel_train.config.sections import Config
+from parallel_train.core.collectives import from_rank0
+from parallel_train.core.json_text import json_text
 from parallel_train.data.chat_format import FILES as CHAT_FILES
 from parallel_train.data.tokenizers import HF_FILE, VOCAB_FILE
 from parallel_train.errors import UserError
 from parallel_train.observe.plots import PICTURE
-from parallel_train.parallel.collectives import from_rank0
+from parallel_train.observe.tracking import MetricsLog, init_trackers
 from parallel_train.tasks.label_names import LABELS_FILE
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "model.safetensors")
@@ -216,3 +221,17 @@ def write_run_files(out: Path, config_yaml: str, vocab, files: dict[str, str]) -
     write_file(out / "config.yaml", config_yaml)
     for name, text in {**(vocab.files() if vocab is not None else {}), **files}.items():
         write_file(out / name, text)
+
+
+def open_run_files(out: Path, cfg: Config, accelerator: Any, data: Any, start_step: int, run_id: str, say: Callable[[str], None]):
+    """The run's files at its start: config.yaml and the tokenizer (vocab.json or tokenizer.json, with what goes with it:
+    a chat template) written, metrics.jsonl cut back to `start_step`, the trackers started. Returns config.yaml's text,
+    the tokenizer's files (every checkpoint holds them too) and the metrics log."""
+    config_yaml = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    tokenizer_files = {**(data.vocab.files() if data.vocab else {}), **data.files}
+    metrics = MetricsLog(out / "metrics.jsonl", accelerator, cfg.tracker)
+    metrics.truncate_after(start_step, say)  # first: a metrics.jsonl it cannot read stops the run before any write
+    if accelerator.is_main_process:
+        write_run_files(out, config_yaml, data.vocab, data.files)
+    init_trackers(accelerator, cfg.tracker, cfg.to_dict(), out, run_id)
+    return config_yaml, tokenizer_files, metrics

@@ -24,10 +24,14 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from parallel_train.checkpoint import checkpointer
 from parallel_train.checkpoint.listing import list_checkpoints, misnamed_notice, scan
 from parallel_train.checkpoint.manifest import MANIFEST, verify_spread
+from parallel_train.checkpoint.train_state import TrainingState
+from parallel_train.core.collectives import from_rank0
 from parallel_train.errors import UserError
-from parallel_train.parallel.collectives import from_rank0
+from parallel_train.models.hf_lora import check_same_base
+from parallel_train.run.resume_config import SCHEDULE, apply_schedule, change_notice
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -102,3 +106,29 @@ def choose_checkpoint(resume: str, root: Path, warn: Callable[[str], None]) -> P
             "nothing in output_dir was changed"
         )
     return None
+
+
+def resumed_state(
+    checkpoint: Path | None, engine, scheduler, precision, changes: dict, learning_rate: float, base_model, world: tuple[int, int], say
+) -> TrainingState:
+    """The training state a run continues with: a fresh one, or `checkpoint`'s, its weights, optimizer, schedule and RNG
+    restored into `engine`, `scheduler` and `precision` (a collective: every rank calls it). `changes`: the config's
+    since the checkpoint (run/resume_config.py; a new learning rate applies from here); `base_model`: the LoRA base
+    the adapters need; `world`: this launch's processes and global batch, checked against the checkpoint's. The state
+    says this launch's from here on."""
+    state = TrainingState()
+    if checkpoint is not None:
+        saved = checkpointer.read_json(checkpoint / "trainer_state.json").get("base_model")
+        if notice := check_same_base(saved, base_model, checkpoint):  # before its adapters are loaded
+            say(notice)
+        state = checkpointer.load(checkpoint, engine, scheduler, precision)
+        say(f"[parallel_train] resumed from {checkpoint} at step {state.step}")
+        if any(key in SCHEDULE for key in changes):
+            apply_schedule(scheduler, learning_rate)
+        if notice := change_notice(changes, state.step):
+            say(notice)
+        if notice := checkpointer.topology_notice(state, *world):
+            say(notice)
+    state.world_size, state.global_batch = world
+    state.base_model = base_model
+    return state

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from parallel_train.core.task import Task
 from parallel_train.tasks.image_folder import load_images
-from parallel_train.tasks.task import Task
 
 TASK = Task(
     "image-classification",

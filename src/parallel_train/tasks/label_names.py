@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from parallel_train.checkpoint.json_text import json_text
+from parallel_train.core.json_text import json_text
 from parallel_train.errors import UserError
 from parallel_train.tasks.text_rows import Rows
 

@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from parallel_train.core.task import Task
 from parallel_train.errors import UserError
 from parallel_train.losses import IGNORE_INDEX
-from parallel_train.tasks.task import Task
 from parallel_train.tasks.text_rows import (
     EncodedRows,
     Encoder,

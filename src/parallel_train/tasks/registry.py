@@ -1,9 +1,10 @@
 """Every task by name (model.task): one module each, listed once here. To add a task: a module of this package
-defining `TASK = Task(...)` (tasks/task.py says what each field means), its name in tasks/task.py's TASK_NAMES, and
+defining `TASK = Task(...)` (core/task.py says what each field means), its name in core/task.py's TASK_NAMES, and
 one line below."""
 
 from __future__ import annotations
 
+from parallel_train.core.task import Task
 from parallel_train.data.sources import load_data
 from parallel_train.data.text import Data
 from parallel_train.tasks import (
@@ -15,7 +16,6 @@ from parallel_train.tasks import (
     token_classification,
 )
 from parallel_train.tasks.label_names import names_file
-from parallel_train.tasks.task import Task
 
 TASKS: dict[str, Task] = {
     m.TASK.name: m.TASK for m in (causal_lm, sequence_classification, token_classification, masked_lm, seq2seq, image_classification)

@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
+from parallel_train.core.task import Task
 from parallel_train.errors import UserError
 from parallel_train.losses import IGNORE_INDEX
-from parallel_train.tasks.task import Task
 from parallel_train.tasks.text_rows import (
     EncodedRows,
     Encoder,

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from parallel_train.core.task import Task
 from parallel_train.tasks.label_names import head_names, label_ids, names_file
-from parallel_train.tasks.task import Task
 from parallel_train.tasks.text_rows import EncodedRows, Encoder, check_text_columns, column_texts, read_rows, task_data, task_tokenizer
 
 NAME = "sequence-classification"

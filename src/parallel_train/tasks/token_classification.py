@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 
+from parallel_train.core.task import Task
 from parallel_train.errors import UserError
 from parallel_train.losses import IGNORE_INDEX
 from parallel_train.tasks.label_names import head_names, label_ids, names_file
-from parallel_train.tasks.task import Task
 from parallel_train.tasks.text_rows import EncodedRows, Encoder, Rows, check_text_columns, read_rows, task_data, task_tokenizer
 
 NAME = "token-classification"

@@ -22,9 +22,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from parallel_train.core.collectives import all_reduce_small
 from parallel_train.data.batch import parts
 from parallel_train.losses import loss_fn
-from parallel_train.parallel.collectives import all_reduce_small
 from parallel_train.parallel.parts import model_units
 from parallel_train.parallel.pipeline.split import bundles, stage_module
 

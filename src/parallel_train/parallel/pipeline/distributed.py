@@ -39,11 +39,11 @@ from torch import nn
 
 from parallel_train.checkpoint.named_state import RankState
 from parallel_train.config.sections import Config
+from parallel_train.core.collectives import gather_to_rank0
 from parallel_train.data.batch import concat, named_inputs, parts, refuse_other_inputs
 from parallel_train.errors import UserError
 from parallel_train.losses import cross_entropy_sum, logits_of
 from parallel_train.models.ties import find_ties
-from parallel_train.parallel.collectives import gather_to_rank0
 from parallel_train.parallel.ddp_engine import OptimizerFactory
 from parallel_train.parallel.mesh import MeshLayout, build_device_mesh, mesh_summary, share_line
 from parallel_train.parallel.pipeline.cost import measure_units

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallel_train.config.fields import opt
-from parallel_train.tasks.task import DEFAULT, TASK_NAMES
+from parallel_train.core.fields import opt
+from parallel_train.core.task import DEFAULT, TASK_NAMES
 
 
 @dataclass

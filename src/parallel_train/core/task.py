@@ -42,7 +42,7 @@ AUTO_CLASSES = {
     "seq2seq": "AutoModelForSeq2SeqLM",
     "image-classification": "AutoModelForImageClassification",
 }
-# Every task model.task may name (config/model.py lists them as its choices); tasks/registry.py holds the Task of each.
+# Every task model.task may name (core/model_config.py lists them as its choices); tasks/registry.py holds the Task of each.
 TASK_NAMES = tuple(AUTO_CLASSES)
 # The tasks with class names (Task.has_labels, which tests/test_structure.py checks against this): a classifier's head.
 LABELLED = ("sequence-classification", "token-classification", "image-classification")
