@@ -43,6 +43,8 @@ LAYOUTS = {
     "ddp_padded": (2, PADDED),
     "fsdp2": (2, ("parallel.dp_shard=2",)),
     "tp": (2, ("parallel.tp=2",)),
+    # the GPT's experts and their balancing loss: counts all-reduced every micro-batch, read at log steps only
+    "ddp_moe": (2, ("model.n_experts=4", "model.experts_per_token=2", "train.gradient_accumulation_steps=2")),
     "pipeline": (2, ("parallel.pipeline_stages=2", "parallel.microbatches=2")),
     # executor 1 (stages on devices of one process), untimed: the timeline only when asked for
     "pipeline_one_process": (
@@ -52,7 +54,16 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", [pytest.param(k, marks=[pytest.mark.multiprocess] if n > 1 else []) for k, (n, _) in LAYOUTS.items()])
+SLOW = {"ddp_moe"}  # beyond the default suite's time budget: run with -m slow
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param(k, marks=([pytest.mark.multiprocess] if n > 1 else []) + ([pytest.mark.slow] if k in SLOW else []))
+        for k, (n, _) in LAYOUTS.items()
+    ],
+)
 def test_no_host_read_on_a_step_that_neither_logs_nor_agrees(tmp_path, layout):
     nproc, keys = LAYOUTS[layout]
     if keys == PADDED:  # prompts the model is not taught (targets -100) and answers it is, padded to the block

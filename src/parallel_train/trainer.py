@@ -335,6 +335,9 @@ class Trainer:
             "data_time_frac": min(1.0, self.batches.seconds / elapsed),
             "mfu": mfu(self.flops_per_token, rate, self.peak, self.accelerator.num_processes),
         }
+        balance = getattr(self.engine, "balance", None)  # MoE layers (parallel/router_balance.py): aux_loss, expert_load
+        if balance is not None:
+            record.update(balance.report())
         if self.precision.scaler is not None:  # fp16: updates the loss scaler skipped on an overflow, so far
             record["skipped_by_scaler"] = self.stepper.skipped_by_scaler
         if not self.data.all_targets_count:  # samples with ignored targets: steps with nothing to learn, so far

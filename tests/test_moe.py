@@ -1,0 +1,170 @@
+"""The GPT's mixture of experts (models/moe.py) and the router's balancing loss over the data-parallel batch
+(parallel/router_balance.py): routing and grouped compute against a naive per-token loop, the loss on a hand example,
+and one process against DDP and FSDP2 with the loss on."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import TINY, check, launch_env, read_metrics, run, warm_cmd
+from parallel_train.config.load import load_config
+from parallel_train.errors import UserError
+from parallel_train.models.gpt import GPT, GPTConfig
+from parallel_train.models.moe import MoE
+from parallel_train.parallel.router_balance import RouterBalance
+
+MOE = ("model.n_experts=4", "model.experts_per_token=2", "model.moe_aux_loss_coef=0.1")
+
+
+def moe(bias: bool = True) -> MoE:
+    torch.manual_seed(0)
+    m = MoE(8, 12, n_experts=4, top_k=2, bias=bias, dropout=0.0)
+    m.init_weights(0.3, 0.3)
+    if bias:
+        torch.nn.init.normal_(m.fc_bias), torch.nn.init.normal_(m.proj_bias)
+    return m
+
+
+def naive(m: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Each token on its own: softmax over all experts, its top k, their weights renormalised, the weighted sum of
+    those experts' MLPs."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        probs = F.softmax(m.router(x[t]).float(), dim=-1)
+        weights, experts = torch.topk(probs, m.top_k)
+        for w, e in zip(weights / weights.sum(), experts.tolist(), strict=True):
+            out[t] += w * expert(m, e, x[t])
+    return out
+
+
+def expert(m: MoE, e: int, x: torch.Tensor) -> torch.Tensor:
+    h = F.gelu(x @ m.fc[e] + (0 if m.fc_bias is None else m.fc_bias[e]))
+    return h @ m.proj[e] + (0 if m.proj_bias is None else m.proj_bias[e])
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_routing_and_grouped_compute_equal_a_per_token_loop(bias):
+    m = moe(bias)
+    x = torch.randn(2, 5, 8)
+    torch.testing.assert_close(m(x), naive(m, x.reshape(10, 8)).reshape(2, 5, 8), rtol=1e-5, atol=1e-6)
+    counts, sums = m.last
+    _, experts = torch.topk(F.softmax(m.router(x.reshape(10, 8)), -1), 2)
+    assert counts.tolist() == torch.bincount(experts.flatten(), minlength=4).tolist() and counts.sum() == 20
+    torch.testing.assert_close(sums, F.softmax(m.router(x.reshape(10, 8)), -1).sum(0))
+
+
+def test_grouped_compute_equals_each_row_through_its_expert():
+    """Groups of every size, an empty one among them: each sorted row goes through its own expert only."""
+    m = moe()
+    rows, counts = torch.randn(7, 8), torch.tensor([3, 0, 1, 3])
+    owner = [0, 0, 0, 2, 3, 3, 3]
+    torch.testing.assert_close(m.compute(rows, counts), torch.stack([expert(m, e, r) for e, r in zip(owner, rows, strict=True)]))
+
+
+def stats(counts: list[int], sums: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.tensor(counts), torch.tensor(sums, requires_grad=True)
+
+
+def test_balancing_loss_of_a_hand_example():
+    """N=2, k=1, 4 tokens: counts (3, 1), probability sums (2.4, 1.6): f = (.75, .25), P = (.6, .4), loss
+    2 * (.75 * .6 + .25 * .4) = 1.1; a second layer perfectly even: 1.0. The term is coef x the mean over layers."""
+    layers = [MoE(4, 4, 2, 1, False, 0.0), MoE(4, 4, 2, 1, False, 0.0)]
+    balance = RouterBalance(layers, coef=0.5, dp_size=1, device=torch.device("cpu"))
+    layers[0].last, layers[1].last = stats([3, 1], [2.4, 1.6]), stats([2, 2], [2.0, 2.0])
+    term = balance.term(micro_batches=2)  # averaged over the step's 2 micro-batches
+    assert math.isclose(term.item(), 0.5 * (1.1 + 1.0) / 2 / 2, rel_tol=1e-6)
+    assert layers[0].last is None  # consumed
+    layers[0].last, layers[1].last = stats([4, 0], [3.0, 1.0]), stats([2, 2], [2.0, 2.0])
+    balance.term(micro_batches=2)
+    report = balance.report()
+    assert math.isclose(report["aux_loss"], ((1.1 + 1.0) / 2 + (2 * 0.75 + 1.0) / 2) / 2, rel_tol=1e-6)
+    assert report["expert_load"] == [7 / 4, 1.0]  # max / mean of the counts (7, 1) and (4, 4) since the last report
+    assert balance.report() == {}  # nothing since
+
+
+def test_the_balancing_loss_reaches_the_router_and_coef_0_turns_it_off():
+    layers = [moe()]
+    layers[0](torch.randn(6, 8))
+    RouterBalance(layers, coef=0.01, dp_size=1, device=torch.device("cpu")).term(1).backward()
+    assert layers[0].router.weight.grad.abs().sum() > 0 and layers[0].fc.grad is None
+    layers[0](torch.randn(6, 8))
+    assert RouterBalance(layers, coef=0.0, dp_size=1, device=torch.device("cpu")).term(1) is None
+
+
+@pytest.mark.parametrize("ac", ["full", "selective"])
+def test_activation_checkpointing_keeps_the_balancing_losss_gradient(ac):
+    """The block's forward runs again in backward (its routing statistics with it): the gradients stay those of one
+    forward."""
+    grads = []
+    for mode in ("none", ac):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, n_experts=4, activation_checkpointing=mode), vocab_size=11)
+        balance = RouterBalance([m for m in model.modules() if isinstance(m, MoE)], 0.5, 1, torch.device("cpu"))
+        loss = model(torch.randint(0, 11, (2, 8), generator=torch.Generator().manual_seed(1))).square().mean()
+        (loss + balance.term(1)).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert grads[0].keys() == grads[1].keys() and all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+
+
+def test_gpt_with_experts_builds_counts_active_flops_and_refuses_bad_keys():
+    dense = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8), vocab_size=11)
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, n_experts=4, experts_per_token=1)
+    sparse = GPT(cfg, vocab_size=11)
+    assert isinstance(sparse.blocks["0"].mlp, MoE) and sparse(torch.randint(0, 11, (2, 8))).shape == (2, 8, 11)
+    router = sum(b.mlp.router.weight.numel() for b in sparse.blocks.values())
+    assert sparse.flops_per_token() == dense.flops_per_token() + 6 * router  # one expert of the dense MLP's size per token
+    with pytest.raises(UserError, match="model.experts_per_token"):
+        load_config(["model.n_experts=2", "model.experts_per_token=3"])
+    with pytest.raises(UserError, match="parallel.tp=1 and parallel.pipeline_stages=1"):
+        load_config(["model.n_experts=2", "parallel.tp=2"])
+
+
+# Global batch 8: 4 x 2 micro-batches on one process, 2 x 2 on each of two ranks.
+RUN = (*TINY, *MOE, "train.gradient_accumulation_steps=2", "train.optimizer=sgd", "train.learning_rate=1.0", "eval.interval=0")
+
+
+LAUNCHES = {"ref": (1, ()), "ddp": (2, ("train.batch_size=2",)), "fsdp2": (2, ("train.batch_size=2", "parallel.dp_shard=2"))}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """name -> its metrics, each launch run once per module."""
+    done: dict[str, list[dict]] = {}
+
+    def get(name: str) -> list[dict]:
+        if name not in done:
+            n, extra = LAUNCHES[name]
+            out = tmp_path_factory.mktemp(name)
+            check(run(warm_cmd(n, *RUN, *extra, f"output_dir={out / 'out'}"), env=launch_env(out)))
+            done[name] = [r for r in read_metrics(out / "out") if r["kind"] == "train"]
+        return done[name]
+
+    return get
+
+
+def assert_same(got: list[dict], ref: list[dict]) -> None:
+    """The loss, the aux loss and the expert load of every step, within 1e-5."""
+    assert [r["step"] for r in got] == [r["step"] for r in ref] == [1, 2, 3, 4, 5, 6]
+    for g, r in zip(got, ref, strict=True):
+        assert math.isclose(g["loss"], r["loss"], rel_tol=1e-5), (g, r)
+        assert math.isclose(g["aux_loss"], r["aux_loss"], rel_tol=1e-5), (g, r)
+        assert g["expert_load"] == pytest.approx(r["expert_load"], rel=1e-5)
+
+
+@pytest.mark.multiprocess
+def test_moe_with_the_balancing_loss_under_ddp_equals_one_process(launched):
+    """The balancing loss counts the experts' tokens over both ranks: loss, aux loss and load agree step by step."""
+    ref = launched("ref")
+    assert all(0.9 < r["aux_loss"] < 4 and len(r["expert_load"]) == 2 for r in ref)
+    assert ref[-1]["loss"] != ref[0]["loss"]  # it trained
+    assert_same(launched("ddp"), ref)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_moe_with_the_balancing_loss_under_fsdp2_equals_one_process(launched):
+    assert_same(launched("fsdp2"), launched("ref"))
