@@ -168,3 +168,31 @@ def test_moe_with_the_balancing_loss_under_ddp_equals_one_process(launched):
 @pytest.mark.multiprocess
 def test_moe_with_the_balancing_loss_under_fsdp2_equals_one_process(launched):
     assert_same(launched("fsdp2"), launched("ref"))
+
+
+def test_a_transformers_moe_gets_the_same_loss_from_its_routers():
+    """A tiny Qwen3-MoE (one layer: transformers' loss concatenates the layers' logits, ours averages per layer): the
+    routers' hooks give transformers' own load_balancing_loss_func over the forward, whose f_i sum to k (ours to 1),
+    and the coefficient defaults to its router_aux_loss_coef."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from parallel_train.parallel.router_balance import router_balance
+
+    config = Qwen3MoeConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, num_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = Qwen3MoeForCausalLM(config)
+    cfg = SimpleNamespace(model=SimpleNamespace(moe_aux_loss_coef=-1.0))
+    balance = router_balance(SimpleNamespace(hf=hf, modules=lambda: iter(())), cfg, 1, torch.device("cpu"))
+    assert balance.coef == 0.02 and len(balance.layers) == 1
+    out = hf(torch.randint(0, 50, (2, 7)))
+    term = balance.term(micro_batches=1)
+    torch.testing.assert_close(term / 0.02, out.aux_loss / 2, rtol=1e-5, atol=0)
+    cfg.model.moe_aux_loss_coef = 0.0
+    off = router_balance(SimpleNamespace(hf=hf, modules=lambda: iter(())), cfg, 1, torch.device("cpu"))
+    hf(torch.randint(0, 50, (2, 7)))
+    assert off.term(1) is None and off.report()["aux_loss"] > 0.9

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from parallel_train.models.moe import MoE
@@ -28,7 +29,10 @@ from parallel_train.parallel.collectives import all_reduce_small
 
 
 class RouterBalance:
-    def __init__(self, layers: list[MoE], coef: float, dp_size: int, device: torch.device):
+    """`layers`: what keeps each MoE layer's statistics of its last forward in `last` (models/moe.py's MoE, or a
+    RouterTap), with its `n_experts` and `top_k`."""
+
+    def __init__(self, layers: list, coef: float, dp_size: int, device: torch.device):
         self.layers, self.coef, self.dp_size, self.device = layers, coef, dp_size, device
         self.world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         self.n_experts = layers[0].n_experts
@@ -80,9 +84,44 @@ class RouterBalance:
         return {"aux_loss": values[0], "expert_load": values[1:]}
 
 
+class RouterTap:
+    """A transformers MoE layer's router, watched by a forward hook: its logits -> the statistics models/moe.py keeps in
+    `last`, computed as transformers' `load_balancing_loss_func` does (softmax over all experts, the top k of it)."""
+
+    def __init__(self, router: nn.Module, index: int, n_experts: int, top_k: int):
+        self.index, self.n_experts, self.top_k = index, n_experts, top_k
+        self.last: tuple[torch.Tensor, torch.Tensor] | None = None
+        router.register_forward_hook(self._record)
+
+    def _record(self, module: nn.Module, args, output) -> None:
+        logits = output[self.index] if isinstance(output, tuple) else output
+        probs = F.softmax(logits.reshape(-1, logits.shape[-1]).float(), dim=-1)
+        experts = torch.topk(probs, self.top_k, dim=-1).indices
+        self.last = (torch.bincount(experts.reshape(-1), minlength=self.n_experts), probs.sum(dim=0))
+
+
+def hub_routers(hf: nn.Module) -> list[RouterTap]:
+    """The routers of a transformers MoE model (those its `_can_record_outputs["router_logits"]` records), tapped."""
+    spec = (getattr(hf, "_can_record_outputs", None) or {}).get("router_logits")
+    if spec is None:
+        return []
+    target, index = (spec.target_class, spec.index) if hasattr(spec, "target_class") else (spec, 0)
+    config = hf.config.get_text_config()
+    n_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    if not (target and n_experts and top_k):
+        return []
+    return [RouterTap(m, index, n_experts, top_k) for m in hf.modules() if isinstance(m, target)]
+
+
 def router_balance(model: nn.Module, cfg, dp_size: int, device: torch.device) -> RouterBalance | None:
-    """The balancing loss of `model`'s MoE layers (None: it has none). `cfg`: the run's config."""
+    """The balancing loss of `model`'s MoE layers (None: it has none): the GPT's experts, or a transformers MoE model's
+    routers. `cfg`: the run's config; model.moe_aux_loss_coef < 0: the transformers model's own router_aux_loss_coef."""
     layers = [m for m in model.modules() if isinstance(m, MoE)]
-    if not layers:
-        return None
-    return RouterBalance(layers, getattr(cfg.model, "moe_aux_loss_coef", 0.0), dp_size, device)
+    coef = getattr(cfg.model, "moe_aux_loss_coef", 0.0)
+    hf = getattr(model, "hf", None)
+    if not layers and isinstance(hf, nn.Module):
+        layers = hub_routers(hf)
+        if coef < 0:
+            coef = getattr(hf.config.get_text_config(), "router_aux_loss_coef", 0.0) or 0.0
+    return RouterBalance(layers, max(coef, 0.0), dp_size, device) if layers else None
