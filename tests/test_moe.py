@@ -127,7 +127,25 @@ def test_gpt_with_experts_builds_counts_active_flops_and_refuses_bad_keys():
 RUN = (*TINY, *MOE, "train.gradient_accumulation_steps=2", "train.optimizer=sgd", "train.learning_rate=1.0", "eval.interval=0")
 
 
-LAUNCHES = {"ref": (1, ()), "ddp": (2, ("train.batch_size=2",)), "fsdp2": (2, ("train.batch_size=2", "parallel.dp_shard=2"))}
+# A tiny Qwen3-MoE from its config (random weights), its coefficient its own router_aux_loss_coef (raised to matter).
+HUB = ("model.name=hf", "model.hf_path={hub}", "model.hf_pretrained=false", "data.tokenizer=byte", "model.moe_aux_loss_coef=-1")
+LAUNCHES = {
+    "ref": (1, ()),
+    "ddp": (2, ("train.batch_size=2",)),
+    "fsdp2": (2, ("train.batch_size=2", "parallel.dp_shard=2")),
+    "hub_ref": (1, HUB),
+    "hub_fsdp2": (2, (*HUB, "train.batch_size=2", "parallel.dp_shard=2")),
+}
+
+
+def save_tiny_qwen3_moe(folder) -> str:
+    from transformers import Qwen3MoeConfig
+
+    Qwen3MoeConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.1, max_position_embeddings=64,
+    ).save_pretrained(folder)  # fmt: skip
+    return str(folder)
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +157,8 @@ def launched(tmp_path_factory):
         if name not in done:
             n, extra = LAUNCHES[name]
             out = tmp_path_factory.mktemp(name)
-            check(run(warm_cmd(n, *RUN, *extra, f"output_dir={out / 'out'}"), env=launch_env(out)))
+            keys = [k.format(hub=save_tiny_qwen3_moe(out / "qwen3_moe")) if "{hub}" in k else k for k in (*RUN, *extra)]
+            check(run(warm_cmd(n, *keys, f"output_dir={out / 'out'}"), env=launch_env(out)))
             done[name] = [r for r in read_metrics(out / "out") if r["kind"] == "train"]
         return done[name]
 
@@ -168,6 +187,14 @@ def test_moe_with_the_balancing_loss_under_ddp_equals_one_process(launched):
 @pytest.mark.multiprocess
 def test_moe_with_the_balancing_loss_under_fsdp2_equals_one_process(launched):
     assert_same(launched("fsdp2"), launched("ref"))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_transformers_moe_with_the_balancing_loss_under_fsdp2_equals_one_process(launched):
+    ref = launched("hub_ref")
+    assert ref[-1]["loss"] != ref[0]["loss"] and all(len(r["expert_load"]) == 2 for r in ref)
+    assert_same(launched("hub_fsdp2"), ref)
 
 
 def test_a_transformers_moe_gets_the_same_loss_from_its_routers():
