@@ -169,7 +169,7 @@ ROWS: tuple[Row, ...] = (
         lambda c: getattr(c.model, "activation_checkpointing", "none") == "selective",
     ),
     Row("model.experts_per_token", "model.n_experts > 0 (model.name=gpt)", _experts),
-    Row("model.moe_aux_loss_coef", "model.n_experts > 0 (model.name=gpt)", _experts),
+    Row("model.moe_aux_loss_coef", "model.n_experts > 0 (model.name=gpt), or a MoE model.name=hf", _experts),
     Row("parallel.microbatches", "parallel.pipeline_stages > 1", _pipeline),
     Row("parallel.schedule", "parallel.pipeline_stages > 1", _pipeline),
     Row("parallel.split", "parallel.pipeline_stages > 1", _pipeline),

@@ -100,17 +100,25 @@ class RouterTap:
         self.last = (torch.bincount(experts.reshape(-1), minlength=self.n_experts), probs.sum(dim=0))
 
 
-def hub_routers(hf: nn.Module) -> list[RouterTap]:
-    """The routers of a transformers MoE model (those its `_can_record_outputs["router_logits"]` records), tapped."""
+def router_spec(hf: nn.Module) -> tuple[type, int, int, int] | None:
+    """A transformers MoE model's router class (what its `_can_record_outputs["router_logits"]` records), the index of
+    the logits in the router's output, its experts and top k; None for a model without routers."""
     spec = (getattr(hf, "_can_record_outputs", None) or {}).get("router_logits")
     if spec is None:
-        return []
+        return None
     target, index = (spec.target_class, spec.index) if hasattr(spec, "target_class") else (spec, 0)
     config = hf.config.get_text_config()
     n_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
     top_k = getattr(config, "num_experts_per_tok", None)
-    if not (target and n_experts and top_k):
+    return (target, index, n_experts, top_k) if target and n_experts and top_k else None
+
+
+def hub_routers(hf: nn.Module) -> list[RouterTap]:
+    """The routers of a transformers MoE model, tapped."""
+    spec = router_spec(hf)
+    if spec is None:
         return []
+    target, index, n_experts, top_k = spec
     return [RouterTap(m, index, n_experts, top_k) for m in hf.modules() if isinstance(m, target)]
 
 
