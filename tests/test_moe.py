@@ -223,3 +223,18 @@ def test_a_transformers_moe_gets_the_same_loss_from_its_routers():
     off = router_balance(SimpleNamespace(hf=hf, modules=lambda: iter(())), cfg, 1, torch.device("cpu"))
     hf(torch.randint(0, 50, (2, 7)))
     assert off.term(1) is None and off.report()["aux_loss"] > 0.9
+
+
+def test_the_tracker_gets_each_layers_expert_load(tmp_path):
+    """metrics.jsonl keeps the list; a tracker (scalars only) gets train/expert_load/0, /1, ..."""
+    from types import SimpleNamespace
+
+    from parallel_train.observe.tracking import MetricsLog
+
+    logged = []
+    accelerator = SimpleNamespace(is_main_process=True, log=lambda values, step: logged.append((values, step)))
+    MetricsLog(tmp_path / "metrics.jsonl", accelerator, "tensorboard").log(
+        {"kind": "train", "step": 5, "loss": 2.0, "aux_loss": 1.1, "expert_load": [1.5, 2.25]}
+    )
+    assert logged == [({"train/loss": 2.0, "train/aux_loss": 1.1, "train/expert_load/0": 1.5, "train/expert_load/1": 2.25}, 5)]
+    assert read_metrics(tmp_path)[0]["expert_load"] == [1.5, 2.25]
