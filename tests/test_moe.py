@@ -238,3 +238,25 @@ def test_the_tracker_gets_each_layers_expert_load(tmp_path):
     )
     assert logged == [({"train/loss": 2.0, "train/aux_loss": 1.1, "train/expert_load/0": 1.5, "train/expert_load/1": 2.25}, 5)]
     assert read_metrics(tmp_path)[0]["expert_load"] == [1.5, 2.25]
+
+
+def test_the_engines_backpropagate_the_balancing_term_after_each_forward_but_log_the_loss_alone():
+    """parallel/engine.py `accumulate`: `extra()` runs after each micro-batch's forward; its term joins what goes
+    backward (in the loss sum's units: RouterBalance.extra divides by the engine's scale), not the returned loss."""
+    from contextlib import nullcontext
+
+    from parallel_train.parallel.engine import accumulate
+
+    m = moe()
+    balance = RouterBalance([m], coef=0.5, dp_size=1, device=torch.device("cpu"))
+    scale = torch.tensor(4.0)
+    backward, micro = [], [(torch.randn(3, 8), torch.zeros(3)), (torch.randn(2, 8), torch.zeros(2))]
+    total = accumulate(
+        micro, lambda x: m(x), lambda y_hat, y: y_hat.sum(), backward.append, lambda last: nullcontext(), torch.device("cpu"),
+        extra=balance.extra(len(micro), scale),
+    )  # fmt: skip
+    sums = [m_out.sum() for m_out in (m(x) for x, _ in micro)]  # the same forward again: the loss alone
+    torch.testing.assert_close(total, sum(sums).detach())
+    for sent, s in zip(backward, sums, strict=True):
+        term = (sent - s) * scale  # what the term adds after the engine's scale: coef x loss (1 to N) / micro-batches
+        assert 0.5 * 1 / 2 <= term.item() < 0.5 * 4 / 2
