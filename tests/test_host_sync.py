@@ -54,16 +54,7 @@ LAYOUTS = {
 }
 
 
-SLOW = {"ddp_moe"}  # beyond the default suite's time budget: run with -m slow
-
-
-@pytest.mark.parametrize(
-    "layout",
-    [
-        pytest.param(k, marks=([pytest.mark.multiprocess] if n > 1 else []) + ([pytest.mark.slow] if k in SLOW else []))
-        for k, (n, _) in LAYOUTS.items()
-    ],
-)
+@pytest.mark.parametrize("layout", [pytest.param(k, marks=[pytest.mark.multiprocess] if n > 1 else []) for k, (n, _) in LAYOUTS.items()])
 def test_no_host_read_on_a_step_that_neither_logs_nor_agrees(tmp_path, layout):
     nproc, keys = LAYOUTS[layout]
     if keys == PADDED:  # prompts the model is not taught (targets -100) and answers it is, padded to the block

@@ -260,3 +260,13 @@ def test_the_engines_backpropagate_the_balancing_term_after_each_forward_but_log
     for sent, s in zip(backward, sums, strict=True):
         term = (sent - s) * scale  # what the term adds after the engine's scale: coef x loss (1 to N) / micro-batches
         assert 0.5 * 1 / 2 <= term.item() < 0.5 * 4 / 2
+
+
+def test_the_memory_estimator_runs_the_experts_on_fake_tensors():
+    """parallel/activation_memory.py measures a forward on fake tensors (shapes, no values): the groups are taken even."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        m = MoE(8, 12, n_experts=4, top_k=2, bias=True, dropout=0.0)
+        y = m(torch.randn(2, 5, 8))
+    assert y.shape == (2, 5, 8)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 
 class MoE(nn.Module):
@@ -55,7 +56,7 @@ class MoE(nn.Module):
         tokens one group; the groups' sizes (E,); `order`, which pair each sorted row is (for combine)."""
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # stable: within an expert, tokens keep their order
-        counts = torch.bincount(flat, minlength=self.n_experts)
+        counts = torch.zeros(self.n_experts, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
         return x[order // self.top_k], counts, order
 
     def compute(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -65,7 +66,7 @@ class MoE(nn.Module):
         fails there ("Invalid strides/sizes"), so it cannot train on a laptop. The group sizes are read on the host: on
         the CPU the host holds them already (`.numpy()`, no wait); on a GPU it is one sync per MoE layer, which a
         grouped GEMM with device offsets would remove (torchtitan's way) once it runs everywhere."""
-        sizes = counts.numpy().tolist() if counts.device.type == "cpu" else counts.tolist()
+        sizes = group_sizes(counts, rows.shape[0])
         outs = []
         for e, group in enumerate(torch.split(rows, sizes)):
             h = group @ self.fc[e]
@@ -88,3 +89,11 @@ class MoE(nn.Module):
         y = self.combine(self.compute(rows, counts), order, weights, tokens.shape[0])
         self.last = (counts.detach(), probs.sum(dim=0))
         return self.drop(y.reshape(shape))
+
+
+def group_sizes(counts: torch.Tensor, rows: int) -> list[int]:
+    """The experts' group sizes on the host. On fake tensors (the memory estimator, parallel/activation_memory.py: shapes
+    only, no values) the groups are taken even, the load the balancing loss aims for."""
+    if is_fake(counts):
+        return [rows // len(counts) + (e < rows % len(counts)) for e in range(len(counts))]
+    return counts.numpy().tolist() if counts.device.type == "cpu" else counts.tolist()
