@@ -135,6 +135,8 @@ LAUNCHES = {
     "fsdp2": (2, ("train.batch_size=2", "parallel.dp_shard=2")),
     "hub_ref": (1, HUB),
     "hub_fsdp2": (2, (*HUB, "train.batch_size=2", "parallel.dp_shard=2")),
+    # one process continues the FSDP2 run's step-3 checkpoint (the experts' stacked weights saved as 2 shards)
+    "resumed": (1, ("resume={fsdp2}/checkpoints/step_0000003",)),
 }
 
 
@@ -152,13 +154,20 @@ def save_tiny_qwen3_moe(folder) -> str:
 def launched(tmp_path_factory):
     """name -> its metrics, each launch run once per module."""
     done: dict[str, list[dict]] = {}
+    outs: dict[str, object] = {}
 
     def get(name: str) -> list[dict]:
         if name not in done:
             n, extra = LAUNCHES[name]
             out = tmp_path_factory.mktemp(name)
-            keys = [k.format(hub=save_tiny_qwen3_moe(out / "qwen3_moe")) if "{hub}" in k else k for k in (*RUN, *extra)]
+            if any("{fsdp2}" in k for k in extra):
+                get("fsdp2")
+            keys = [
+                k.format(hub=save_tiny_qwen3_moe(out / "qwen3_moe")) if "{hub}" in k else k.format(fsdp2=outs.get("fsdp2"))
+                for k in (*RUN, *extra)
+            ]
             check(run(warm_cmd(n, *keys, f"output_dir={out / 'out'}"), env=launch_env(out)))
+            outs[name] = out / "out"
             done[name] = [r for r in read_metrics(out / "out") if r["kind"] == "train"]
         return done[name]
 
@@ -187,6 +196,8 @@ def test_moe_with_the_balancing_loss_under_ddp_equals_one_process(launched):
 @pytest.mark.multiprocess
 def test_moe_with_the_balancing_loss_under_fsdp2_equals_one_process(launched):
     assert_same(launched("fsdp2"), launched("ref"))
+    resumed = launched("resumed")  # its log holds steps 4-6 (a resume keeps the earlier records of its own folder only)
+    assert_same([r for r in launched("ref") if r["step"] <= 3] + resumed, launched("ref"))
 
 
 @pytest.mark.slow
