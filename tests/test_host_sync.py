@@ -43,6 +43,8 @@ LAYOUTS = {
     "ddp_padded": (2, PADDED),
     "fsdp2": (2, ("parallel.dp_shard=2",)),
     "tp": (2, ("parallel.tp=2",)),
+    # the GPT's experts and their balancing loss: counts all-reduced every micro-batch, read at log steps only
+    "ddp_moe": (2, ("model.n_experts=4", "model.experts_per_token=2", "train.gradient_accumulation_steps=2")),
     "pipeline": (2, ("parallel.pipeline_stages=2", "parallel.microbatches=2")),
     # executor 1 (stages on devices of one process), untimed: the timeline only when asked for
     "pipeline_one_process": (

@@ -61,6 +61,8 @@ CASES = {
     "train.warmup_steps": ("5", ["train.lr_schedule=constant"], ["train.lr_schedule=linear"]),
     "train.min_lr": ("0.0", ["train.lr_schedule=constant"], []),
     "train.lr_decay_steps": ("50", ["train.lr_schedule=constant"], []),
+    "model.experts_per_token": ("1", [], ["model.n_experts=4"]),
+    "model.moe_aux_loss_coef": ("0.0", [], ["model.n_experts=4"]),
     "parallel.microbatches": ("4", [], ["parallel.pipeline_stages=2"]),
     "parallel.schedule": ("1f1b", [], ["parallel.pipeline_stages=2"]),
     "parallel.split": ("time", [], ["parallel.pipeline_stages=2"]),

@@ -225,6 +225,12 @@ def validate(cfg: Config) -> None:
             "so its samples would attend to each other; set data.packing=false, or see models/gpt.py",
         )
         check(p.tp == 1, f"data.packing with parallel.tp={p.tp}: not supported here; use parallel.dp_shard, or data.packing=false")
+    if getattr(m, "n_experts", 0):  # models/moe.py: routed on whole models, over data-parallel ranks only (for now)
+        check(
+            p.tp == 1 and p.pipeline_stages == 1,
+            f"model.n_experts={m.n_experts} with parallel.tp={p.tp}, parallel.pipeline_stages={p.pipeline_stages}: the GPT's "
+            "experts run under DDP and parallel.dp_shard/dp_replicate only; set parallel.tp=1 and parallel.pipeline_stages=1",
+        )
     check(t.min_lr <= t.learning_rate, f"train.min_lr ({t.min_lr}) must not exceed train.learning_rate ({t.learning_rate})")
     check(  # else the warm-up runs into the floor: no stable phase, no decay, the peak never (or once) reached
         t.lr_schedule != "wsd" or t.warmup_steps < t.lr_decay_steps,

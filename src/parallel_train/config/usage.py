@@ -89,6 +89,11 @@ FULL_FINE_TUNE = (
 )
 
 
+def _experts(c: Any) -> bool:
+    """The GPT's experts are on (models/moe.py); a model without model.n_experts reads its own keys as it likes."""
+    return getattr(c.model, "n_experts", 1) > 0
+
+
 def _pipeline(c: Any) -> bool:
     return c.parallel.pipeline_stages > 1
 
@@ -169,6 +174,8 @@ ROWS: tuple[Row, ...] = (
         "model.activation_checkpointing=selective",
         lambda c: getattr(c.model, "activation_checkpointing", "none") == "selective",
     ),
+    Row("model.experts_per_token", "model.n_experts > 0 (model.name=gpt)", _experts),
+    Row("model.moe_aux_loss_coef", "model.n_experts > 0 (model.name=gpt), or a MoE model.name=hf", _experts),
     Row("parallel.microbatches", "parallel.pipeline_stages > 1", _pipeline),
     Row("parallel.schedule", "parallel.pipeline_stages > 1", _pipeline),
     Row("parallel.split", "parallel.pipeline_stages > 1", _pipeline),

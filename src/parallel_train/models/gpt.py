@@ -30,6 +30,7 @@ from parallel_train.core.model_config import ModelConfig
 from parallel_train.errors import UserError
 from parallel_train.models import document_mask
 from parallel_train.models.activation_checkpoint import Checkpointing, check_option, mode_field, option_field
+from parallel_train.models.moe import MoE
 
 
 @dataclass
@@ -44,10 +45,17 @@ class GPTConfig(ModelConfig):
     activation_checkpointing: str = mode_field()  # none | full | selective (models/activation_checkpoint.py)
     selective_ac: str = option_field()
     tie_embeddings: bool = opt(False, "the output layer uses the token embedding's weight (GPT-2 ties them): fewer parameters")
+    n_experts: int = opt(0, "0: a dense MLP in each block; N: a mixture of N expert MLPs, routed per token (models/moe.py)", min=0)
+    experts_per_token: int = opt(2, "model.n_experts > 0: the experts each token is routed to (top k)", min=1)
+    moe_aux_loss_coef: float = opt(0.01, "model.n_experts > 0: weight of the router's balancing loss (0: off)", min=0.0)
 
     def check(self) -> None:
         check(self.n_embd % self.n_head == 0, f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})")
         check_option(self.selective_ac)
+        check(
+            not self.n_experts or self.experts_per_token <= self.n_experts,
+            f"model.experts_per_token ({self.experts_per_token}) must not exceed model.n_experts ({self.n_experts})",
+        )
 
 
 class CausalSelfAttention(nn.Module):
@@ -93,7 +101,10 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.mlp = MLP(cfg)
+        if cfg.n_experts:  # a routed mixture of MLPs of the dense one's shape
+            self.mlp = MoE(cfg.n_embd, 4 * cfg.n_embd, cfg.n_experts, cfg.experts_per_token, cfg.bias, cfg.dropout)
+        else:
+            self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
         # The mask only when there is one: tensor parallelism prepares exactly one input of attn.
@@ -130,8 +141,11 @@ class GPT(nn.Module):
     def init_weights(self, name: str, module: nn.Module) -> None:
         """GPT-2's initialisation of one module's own parameters: normal(0, 0.02) for Linear and Embedding weights,
         residual projections (`attn.proj`, `mlp.proj`) scaled down by depth, zero biases, LayerNorms at 1 and 0."""
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            std = 0.02 / math.sqrt(2 * self.n_layer) if name.endswith("proj") else 0.02
+        proj_std = 0.02 / math.sqrt(2 * self.n_layer)
+        if isinstance(module, MoE):  # the experts' stacked weights (the router is a Linear of its own)
+            module.init_weights(0.02, proj_std)
+        elif isinstance(module, (nn.Linear, nn.Embedding)):
+            std = proj_std if name.endswith("proj") else 0.02
             nn.init.normal_(module.weight, mean=0.0, std=std)
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
@@ -204,8 +218,13 @@ class GPT(nn.Module):
         return x
 
     def flops_per_token(self) -> int:
-        """Training FLOPs per token: 6 per parameter plus attention (PaLM appendix B, as in nanoGPT)."""
+        """Training FLOPs per token: 6 per parameter plus attention (PaLM appendix B, as in nanoGPT). A mixture of
+        experts counts the experts a token uses: experts_per_token of n_experts."""
         n_params = sum(p.numel() for p in self.parameters()) - self.pos_emb.weight.numel()
+        for m in self.modules():
+            if isinstance(m, MoE):
+                experts = sum(p.numel() for n, p in m.named_parameters() if not n.startswith("router"))
+                n_params -= experts * (m.n_experts - m.top_k) // m.n_experts
         n_layer, block = len(self.blocks), self.block_size
         n_embd = self.pos_emb.weight.shape[1]
         return 6 * n_params + 12 * n_layer * n_embd * block

@@ -86,6 +86,11 @@ class HFConfig(ModelConfig):
     )
     activation_checkpointing: str = mode_field()  # none | full | selective, per decoder layer (models/activation_checkpoint.py)
     selective_ac: str = option_field()
+    moe_aux_loss_coef: float = opt(
+        -1.0,
+        "a MoE model: weight of the router's balancing loss over the data-parallel batch; -1: its router_aux_loss_coef; 0: off",
+        min=-1.0,
+    )
     lora_rank: int = opt(0, "LoRA (peft): 0 trains every weight; R > 0 freezes them and trains rank-R adapters", min=0, max=65536)
     lora_alpha: float = opt(16.0, "LoRA: the adapters' output is scaled by lora_alpha / lora_rank", above=0.0)
     lora_dropout: float = opt(0.0, "LoRA: dropout on the adapters' input", min=0.0, below=1.0)

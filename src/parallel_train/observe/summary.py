@@ -46,6 +46,9 @@ def train_record(t: Any, loss: float | None, lr: float, units: int) -> dict[str,
         "data_time_frac": min(1.0, t.batches.seconds / elapsed),
         "mfu": mfu(t.flops_per_token, rate, t.peak, t.accelerator.num_processes),
     }
+    balance = getattr(t.engine, "balance", None)  # MoE layers (parallel/router_balance.py): aux_loss, expert_load
+    if balance is not None:
+        record.update(balance.report())
     if t.precision.scaler is not None:  # fp16: updates the loss scaler skipped on an overflow, so far
         record["skipped_by_scaler"] = t.stepper.skipped_by_scaler
     if not t.data.all_targets_count:  # samples with ignored targets: steps with nothing to learn, so far

@@ -152,6 +152,9 @@ class MetricsLog:
             raise write_error(self.path, e, len(line.encode())) from None
         if self.tracker != "none":
             values = {k: v for k, v in record.items() if k not in ("step", "kind") and isinstance(v, (int, float))}
+            for k, v in record.items():  # a list of numbers (a MoE's expert_load per layer): one scalar each, k/0, k/1, ...
+                if isinstance(v, list) and all(isinstance(x, (int, float)) for x in v):
+                    values.update({f"{k}/{i}": x for i, x in enumerate(v)})
             # train/loss, train/lr, ... and val/loss: the metrics.jsonl keys grouped by kind.
             prefix = "val/" if record.get("kind") == "eval" else "train/"
             self.accelerator.log({prefix + k.removeprefix("val_"): v for k, v in values.items()}, step=record["step"])

@@ -22,6 +22,7 @@ from parallel_train.models.ties import find_ties
 from parallel_train.parallel.engine import accumulate
 from parallel_train.parallel.mesh import MeshLayout, mesh_summary, share_line
 from parallel_train.parallel.precision import Precision
+from parallel_train.parallel.router_balance import router_balance
 from parallel_train.tasks.registry import task_of
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
@@ -64,6 +65,7 @@ class DataParallelEngine:
         # Data parallelism: which shard of the global batch this process reads (data/batch_sampler.py).
         self.dp_size, self.dp_rank = accelerator.num_processes, accelerator.process_index
         self.loss_owner = True  # every replica computes its own shard's loss
+        self.balance = router_balance(self.unwrapped, cfg, self.dp_size, self.device)  # MoE layers: their balancing loss
 
     @property
     def unwrapped(self) -> nn.Module:
@@ -83,7 +85,8 @@ class DataParallelEngine:
             accelerator.backward(precision.scale(s * scale) * A)
 
         # accumulate(): no DDP all-reduce until the last micro-step (and DeepSpeed's accumulation boundary).
-        return accumulate(micro, forward, self.loss_fn, backward, lambda last: accelerator.accumulate(self.model), self.device)
+        extra = self.balance.extra(A, scale) if self.balance else None
+        return accumulate(micro, forward, self.loss_fn, backward, lambda last: accelerator.accumulate(self.model), self.device, extra)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm)

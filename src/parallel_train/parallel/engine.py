@@ -79,17 +79,20 @@ def accumulate(
     backward: Callable[[torch.Tensor], None],
     sync: Callable[[bool], AbstractContextManager],
     device: torch.device,
+    extra: Callable[[], torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """Forward and backward of each micro-batch in turn, `sync(last)` around each so that gradients are
     synchronised on the last one only (DDP's no_sync, FSDP2's set_requires_gradient_sync). Returns the summed
     token loss (a device tensor: no host sync). Used by the engines whose model runs micro-batches one at a time.
     `forward(inputs, **kwargs)`: kwargs are the batch's other inputs (a dict batch's attention_mask, a packed batch's
-    positions: data/batch.py)."""
+    positions: data/batch.py). `extra()`, called after each forward: a term added to what goes backward (the router's
+    balancing loss, parallel/router_balance.py), not to the returned loss; None adds nothing."""
     total = torch.zeros((), device=device)
     for i, batch in enumerate(micro):
         x, y, kwargs = parts(batch, device)
         with sync(i == len(micro) - 1):
             s = loss_sum(logits_of(forward(x, **kwargs)), y)  # a ModelOutput or a dict: its logits
-            backward(s)
+            term = extra() if extra is not None else None
+            backward(s if term is None else s + term)
         total += s.detach().full_tensor() if hasattr(s, "full_tensor") else s.detach()  # loss parallel's is a DTensor
     return total

@@ -38,6 +38,7 @@ from parallel_train.parallel.ddp_engine import OptimizerFactory
 from parallel_train.parallel.engine import accumulate
 from parallel_train.parallel.mesh import MeshLayout, build_device_mesh, mesh_summary, share_line
 from parallel_train.parallel.precision import Precision
+from parallel_train.parallel.router_balance import router_balance
 from parallel_train.parallel.sharding import (
     clip_grad_norm,
     cuts_line,
@@ -78,6 +79,7 @@ class MeshEngine:
         self.compiled = parallelize(model, self.mesh, layout, mp_policy=policy, compile=cfg.train.compile, loss_parallel=self.loss_parallel)
         init.fill(model, self.device)  # parallel/model_init.py: only now does this rank's slice of each parameter get memory
         self.model = model
+        self.balance = router_balance(model, cfg, self.dp_size, self.device)  # MoE layers: their balancing loss
         self.fsdp = hasattr(model, "set_requires_gradient_sync")  # fully_shard made it an FSDPModule
         self.autocast = not (self.fsdp and policy is not None)  # FSDP2's policy already computes in bf16/fp16
         if self.loss_parallel:  # plain cross-entropy (losses.plain_cross_entropy), computed on DTensor shards
@@ -107,7 +109,9 @@ class MeshEngine:
                 return self.model(x, **kwargs)
 
         with loss_context(self.loss_parallel):  # forward, loss and backward: loss_parallel's ops run in all three
-            return accumulate(micro, forward, self.loss_fn, lambda s: precision.scale(s * scale).backward(), self._sync, self.device)
+            extra = self.balance.extra(len(micro), scale) if self.balance else None
+            backward = lambda s: precision.scale(s * scale).backward()  # noqa: E731
+            return accumulate(micro, forward, self.loss_fn, backward, self._sync, self.device, extra)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm(self.params, max_norm)
