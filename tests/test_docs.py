@@ -222,12 +222,12 @@ ITEM = re.compile(r"\s*(?:[-*+]|\d+\.)\s")
 
 def paragraphs(text: str) -> list[tuple[int, str]]:
     """(first line, text joined by spaces) of each paragraph of a Markdown page."""
-    found, current, start, previous_blank = [], [], 0, True
+    found, current, start, previous_blank, in_code = [], [], 0, True, False
     lines = FENCED.sub(lambda m: "\n" * m.group(0).count("\n"), text).split("\n")
     for i, line in enumerate(lines, 1):
-        indented_code = line.startswith("    ") and previous_blank and not ITEM.match(line) and not current
+        in_code = line.startswith("    ") and (previous_blank or in_code) and not ITEM.match(line) and not current
         previous_blank = not line.strip()
-        if not line.strip() or line.lstrip().startswith(("|", "#")) or indented_code or (ITEM.match(line) and current):
+        if not line.strip() or line.lstrip().startswith(("|", "#")) or in_code or (ITEM.match(line) and current):
             if current:
                 found.append((start, " ".join(part.strip() for part in current)))
             current = [line] if ITEM.match(line) and line.strip() else []
@@ -240,8 +240,8 @@ def paragraphs(text: str) -> list[tuple[int, str]]:
 
 
 def test_paragraphs_are_found_as_a_reader_sees_them():
-    page = "# T\n\nOne\ntwo.\n- an item\n  going on\n- another\n\n| a | b |\n\n```\ncode\n\nmore\n```\n\n    indented\n\nlast"
-    assert paragraphs(page) == [(3, "One two."), (5, "- an item going on"), (7, "- another"), (19, "last")]
+    page = "# T\n\nOne\ntwo.\n- an item\n  going on\n- another\n\n| a | b |\n\n```\ncode\n\nmore\n```\n\n    indented\n    code\n\nlast"
+    assert paragraphs(page) == [(3, "One two."), (5, "- an item going on"), (7, "- another"), (20, "last")]
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if p.name not in ("BENCHMARKS.md", "CHANGELOG.md")], ids=lambda p: p.name)
