@@ -8,6 +8,7 @@ A renamed script, key or flag fails here naming the page and line that still use
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shlex
@@ -327,6 +328,7 @@ def test_the_checks_catch_a_renamed_script_key_value_and_flag(names):
 MAP_NAME = re.compile(r"`([\w/]+(?:\.py|/))`")
 
 
+@functools.cache
 def package_files() -> list[str]:
     """Every module and subpackage of the package, from its root: `cli.py`, `parallel/`, `parallel/pipeline/split.py`."""
     found = [p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"]
