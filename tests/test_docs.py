@@ -208,3 +208,43 @@ def test_no_page_presents_a_slow_test_as_part_of_the_default_suite(page: Path, c
     assert len(collected) > 100 and any(collected.values()) and not all(collected.values())
     problems = slow_claim_problems(page.read_text(), collected)
     assert not problems, f"{page.relative_to(REPO)}:\n" + "\n".join(problems)
+
+
+# ---------------------------------------------------------------- every page readable on a laptop screen
+#
+# A paragraph is a block of consecutive non-empty lines outside fenced code blocks, indented code and tables; a
+# heading or a list item starts a new one. None is over 600 characters (a list item counts alone: a list is the way
+# to split a long enumeration). BENCHMARKS.md and CHANGELOG.md keep their dated records whole, so they are left out.
+
+PARAGRAPH_LIMIT = 600
+ITEM = re.compile(r"\s*(?:[-*+]|\d+\.)\s")
+
+
+def paragraphs(text: str) -> list[tuple[int, str]]:
+    """(first line, text joined by spaces) of each paragraph of a Markdown page."""
+    found, current, start, previous_blank, in_code = [], [], 0, True, False
+    lines = FENCED.sub(lambda m: "\n" * m.group(0).count("\n"), text).split("\n")
+    for i, line in enumerate(lines, 1):
+        in_code = line.startswith("    ") and (previous_blank or in_code) and not ITEM.match(line) and not current
+        previous_blank = not line.strip()
+        if not line.strip() or line.lstrip().startswith(("|", "#")) or in_code or (ITEM.match(line) and current):
+            if current:
+                found.append((start, " ".join(part.strip() for part in current)))
+            current = [line] if ITEM.match(line) and line.strip() else []
+            start = i
+            continue
+        if not current:
+            start = i
+        current.append(line)
+    return found + ([(start, " ".join(part.strip() for part in current))] if current else [])
+
+
+def test_paragraphs_are_found_as_a_reader_sees_them():
+    page = "# T\n\nOne\ntwo.\n- an item\n  going on\n- another\n\n| a | b |\n\n```\ncode\n\nmore\n```\n\n    indented\n    code\n\nlast"
+    assert paragraphs(page) == [(3, "One two."), (5, "- an item going on"), (7, "- another"), (20, "last")]
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if p.name not in ("BENCHMARKS.md", "CHANGELOG.md")], ids=lambda p: p.name)
+def test_no_paragraph_is_longer_than_a_laptop_screen_shows(page: Path):
+    long = [f"line {line}: {len(text)} characters" for line, text in paragraphs(page.read_text()) if len(text) > PARAGRAPH_LIMIT]
+    assert not long, f"{page.relative_to(REPO)}: paragraphs over {PARAGRAPH_LIMIT} characters (split, tighten or list):\n" + "\n".join(long)

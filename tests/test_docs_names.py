@@ -8,6 +8,7 @@ A renamed script, key or flag fails here naming the page and line that still use
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shlex
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import PYTHON, REPO, check, launch_env, run
+from helpers import PYTHON, REPO, check, doc_section, launch_env, run
 from test_docs import CODE_SPAN, FENCED
 
 PACKAGE = REPO / "src" / "parallel_train"
@@ -317,3 +318,90 @@ def test_the_checks_catch_a_renamed_script_key_value_and_flag(names):
         "9: accelerate launch --num-procs: accelerate launch takes no --num-procs (its --help)",
         "13: scripts/bench/benchmark.py --fast: scripts/bench/benchmark.py takes no --fast (its --help)",
     ], found
+
+
+# ---------------------------------------------------------------- the file map and the room table against the tree
+#
+# docs/contributing.md's "Project layout" table maps the package file by file: a row per room (its `name/` in the room
+# column; a row without one is the package's top level), its files in the last column, named from the room (`engine.py`,
+# `pipeline/` and the `split.py` inside it) or from the package (`tasks/task.py`). README's room table names each room.
+
+MAP_NAME = re.compile(r"`([\w/]+(?:\.py|/))`")
+
+
+@functools.cache
+def package_files() -> list[str]:
+    """Every module and subpackage of the package, from its root: `cli.py`, `parallel/`, `parallel/pipeline/split.py`."""
+    found = [p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"]
+    found += [p.parent.relative_to(PACKAGE).as_posix() + "/" for p in PACKAGE.rglob("__init__.py") if p.parent != PACKAGE]
+    return sorted(found)
+
+
+def table_rows(section: str, header: str) -> list[list[str]]:
+    """The cells of each body row of the section's table whose header row starts with `header`."""
+    rows, inside = [], False
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.lstrip().startswith("|"):
+            inside = False
+        elif not inside and cells[0].startswith(header):
+            inside = True
+        elif inside and not set("".join(cells)) <= set("-: "):
+            rows.append(cells)
+    return rows
+
+
+def map_rows(section: str) -> list[tuple[str, list[str]]]:
+    """(room, names in its files column) for each row of the file map: the room is `parallel/`, or '' (the top level)."""
+    rows = []
+    for cells in table_rows(section, "floor"):
+        room = re.fullmatch(r"`(\w+/)`", cells[1])
+        rows.append((room.group(1) if room else "", MAP_NAME.findall(cells[2])))
+    return rows
+
+
+def resolves(room: str, name: str) -> list[str]:
+    """The package files (as package_files() writes them) a name in a room's row stands for."""
+    files = package_files()
+    if "/" in name.rstrip("/") and (PACKAGE / name).exists():  # named from the package: `tasks/task.py`
+        return [name]
+    return [f for f in files if f.startswith(room) and (f.removesuffix("/").rsplit("/", 1)[-1] + ("/" if f.endswith("/") else "")) == name]
+
+
+def map_problems(rows: list[tuple[str, list[str]]], outside: set[str]) -> list[str]:
+    """Names the map gives that are no file of its room, and package files the map does not name."""
+    problems, named = [], set()
+    for room, names in rows:
+        for name in names:
+            found = resolves(room, name)
+            elsewhere = name in outside or (REPO / name).exists() or (PACKAGE / room / name).exists()  # scripts/, __init__.py
+            if not found and not elsewhere:
+                problems.append(f"names {name} in the row of {room or 'the top level'}, which is no file there")
+            named.update(found)
+        named.add(room)
+    problems += [f"names nowhere {f}" for f in package_files() if f not in named]
+    return problems
+
+
+def test_the_file_map_names_every_module_and_only_modules_that_exist():
+    rows = map_rows(doc_section("contributing", "Project layout"))
+    assert len(rows) >= 5, "docs/contributing.md's Project layout has no file map"
+    problems = map_problems(rows, outside={"train.py"})  # the entry, at the repository's root
+    assert not problems, "docs/contributing.md's file map against src/parallel_train:\n" + "\n".join(problems)
+
+
+def test_the_readme_room_table_names_every_room():
+    rows = table_rows(doc_section("README", "Where to change what"), "room")
+    assert rows, "README's Where to change what has no room table"
+    rooms = {f for f in package_files() if f.endswith("/") and f.count("/") == 1}
+    named = {name for cells in rows for name in MAP_NAME.findall(cells[0])}
+    missing = sorted(rooms - named)
+    stale = sorted(n for n in named if not (PACKAGE / n).exists())
+    assert not missing and not stale, f"README's room table: rooms missing {missing}; names no file {stale}"
+
+
+def test_the_map_check_catches_a_missing_and_a_stale_module():
+    rows = [("", ["cli.py", "gone.py"]), ("parallel/", ["engine.py", "pipeline/", "split.py"])]
+    problems = map_problems(rows, outside=set())
+    assert "names gone.py in the row of the top level, which is no file there" in problems
+    assert "names nowhere parallel/build.py" in problems and "names nowhere parallel/pipeline/split.py" not in problems
