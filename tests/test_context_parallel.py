@@ -119,7 +119,12 @@ def test_context_parallel_x_fsdp_on_4_ranks_equals_one_process(launched):
 
 
 @pytest.mark.slow
-def test_a_context_parallel_checkpoint_resumes_on_one_process(launched):
-    cp2 = launched("cp2", 2, "parallel.cp=2")[0]
-    out, log = launched("resumed", 1, f"resume={cp2}/checkpoints/step_0000003")
+@pytest.mark.parametrize(
+    ("name", "nproc", "layout"),
+    [("on_1", 1, ()), ("on_fsdp2", 2, ("train.batch_size=2", "parallel.dp_shard=2")), ("cp_back_on", 2, ("parallel.cp=2",))],
+)
+def test_a_checkpoint_crosses_between_cp_and_other_layouts(launched, name, nproc, layout):
+    """cp=2's step-3 checkpoint goes on on 1 process and on dp_shard=2; one process's goes on at cp=2: the same steps 4-6."""
+    source = launched("ref", 1)[0] if name == "cp_back_on" else launched("cp2", 2, "parallel.cp=2")[0]
+    out, _ = launched(f"resumed_{name}", nproc, *layout, f"resume={source}/checkpoints/step_0000003")
     assert_same_training(out, launched("ref", 1)[0], steps=range(4, 7))

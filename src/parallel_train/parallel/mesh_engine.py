@@ -97,7 +97,7 @@ class MeshEngine:
         self.name += cuts_line(sequence_parallel, self.loss_parallel)
         if self.fsdp and policy is not None:
             self.name += f"; FSDP2 mixed precision: parameters gathered and computed in {precision.name}, gradients reduced in fp32"
-            if layout.dp == 1:  # tensor parallel alone: FSDP2 over one rank, for its policy only (sharding.fsdp_wraps)
+            if layout.dp == layout.cp == 1:  # tensor parallel alone: FSDP2 over one rank, for its policy only (sharding.fsdp_wraps)
                 self.name += " (over one data-parallel rank: fp32 master weights, nothing gathered)"
 
     def _context_parallel(self, model: nn.Module, rank: int) -> ContextParallel | None:
