@@ -112,8 +112,10 @@ def test_context_parallel_on_2_ranks_equals_one_process(launched):
 
 
 @pytest.mark.slow
-def test_context_parallel_x_fsdp_on_4_ranks_equals_one_process(launched):
-    out, log = launched("cp2_fsdp2", 4, "train.batch_size=2", "parallel.cp=2", "parallel.dp_shard=2")
+@pytest.mark.parametrize(("name", "fsdp"), [("cp2_fsdp2", ("parallel.dp_shard=2",)), ("cp2_hsdp", ())])
+def test_context_parallel_x_data_parallel_on_4_ranks_equals_one_process(launched, name, fsdp):
+    """cp=2 x dp_shard=2 (FSDP2 over 4), and cp=2 with the replicas filling the world (HSDP: 2 replicas x 2 cp shards)."""
+    out, log = launched(name, 4, "train.batch_size=2", "parallel.cp=2", *fsdp)
     assert "global batch 2 x 2 data-parallel ranks" in log
     assert_same_training(out, launched("ref", 1)[0])
 
