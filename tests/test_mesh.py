@@ -121,7 +121,7 @@ def test_tensor_parallel_on_2_ranks_equals_one_process(launched):
     assert "; sequence parallel and loss parallel" in log  # the norms on sequence shards, the loss on vocabulary shards
     assert_same_training(out, launched("ref")[0])
     s = summary(out)
-    assert s["mesh"] == {"dp_replicate": 1, "dp_shard": 1, "pp": 1, "tp": 2}
+    assert s["mesh"] == {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "pp": 1, "tp": 2}
     assert total_params() / 2 < s["local_param_numel"] < 0.52 * total_params()  # the vocabulary (65) splits 33 + 32
 
 
@@ -235,9 +235,9 @@ def test_more_meshes_equal_one_process(launched, name):
     if name == "hsdp":
         assert "engine: device mesh (HSDP, plain torch): mesh dp_replicate 2 x dp_shard 2" in log
     if name == "fsdp2_tp2_pp2":
-        assert summary(out)["mesh"] == {"dp_replicate": 1, "dp_shard": 2, "pp": 2, "tp": 2}
+        assert summary(out)["mesh"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "pp": 2, "tp": 2}
     if name == "fsdp_tp_yaml":  # the parallelism_config block of the launch config, read with accelerate's ParallelismConfig
-        assert summary(out)["mesh"] == {"dp_replicate": 1, "dp_shard": 2, "pp": 1, "tp": 2}
+        assert summary(out)["mesh"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "pp": 1, "tp": 2}
 
 
 @pytest.mark.slow
@@ -332,14 +332,14 @@ def test_mesh_layout_from_keys_launch_config_and_world():
     assert layout_of(4, **launch) == MeshLayout(dp_shard=2, tp=2)  # fsdp_tp.yaml's parallelism_config block
     # rank = ((replicate * shard + shard_index) * pp + pp_index) * tp + tp_index: tensor-parallel ranks are neighbours
     mesh = MeshLayout(dp_replicate=2, dp_shard=2, pp=2, tp=2)
-    assert mesh.coordinate(13) == {"dp_replicate": 1, "dp_shard": 1, "pp": 0, "tp": 1} and mesh.dp_rank(13) == 3
+    assert mesh.coordinate(13) == {"dp_replicate": 1, "dp_shard": 1, "cp": 0, "pp": 0, "tp": 1} and mesh.dp_rank(13) == 3
 
 
 @pytest.mark.parametrize(
     ("world", "overrides", "env", "message"),
     [
-        (4, ("parallel.tp=2",), {}, r"= 1 x 1 x 1 x 2 = 2 \(parallel.\* keys and the launch config\), but 4 processes were launched"),
-        (1, ("parallel.dp_shard=2",), {}, "= 1 x 2 x 1 x 1 = 2 .*, but 1 process was launched"),
+        (4, ("parallel.tp=2",), {}, r"= 1 x 1 x 1 x 1 x 2 = 2 \(parallel.\* keys and the launch config\), but 4 processes were launched"),
+        (1, ("parallel.dp_shard=2",), {}, "= 1 x 2 x 1 x 1 x 1 = 2 .*, but 1 process was launched"),
         (2, ("parallel.dp_shard=2",), {"ACCELERATE_USE_DEEPSPEED": "true"}, "under DeepSpeed: ZeRO shards the model its own way"),
         (
             4,
@@ -351,7 +351,7 @@ def test_mesh_layout_from_keys_launch_config_and_world():
             4,
             (),
             {"PARALLELISM_CONFIG_CP_SIZE": "2", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2"},
-            "context and sequence parallelism are not part",
+            "context and sequence parallelism are not read from a launch config; set parallel.cp",
         ),
         (3, ("parallel.pipeline_stages=2",), {}, "parallel.pipeline_stages=2 does not divide the world size 3"),
     ],

@@ -150,12 +150,15 @@ class CheckpointConfig:
 
 @dataclass
 class ParallelConfig:
-    # The device mesh (parallel/mesh.py): dp_replicate x dp_shard x pipeline_stages x tp processes, all of them.
+    # The device mesh (parallel/mesh.py): dp_replicate x dp_shard x cp x pipeline_stages x tp processes, all of them.
     dp_replicate: int = opt(
         1, "data-parallel replicas (whole copies, or HSDP groups with dp_shard); all mesh keys 1: fill the world", min=1
     )
     dp_shard: int = opt(1, "FSDP2: processes that shard parameters, gradients and optimizer state (1: none)", min=1)
     tp: int = opt(1, "tensor parallel: processes that split every layer (by heads / columns; the model's plan)", min=1)
+    cp: int = opt(
+        1, "context parallel: processes that split every sequence (each holds block_size/cp tokens; attention by heads/cp)", min=1
+    )
     pipeline_stages: int = opt(1, "pipeline stages the model is cut into (1: no pipeline)", min=1)
     microbatches: int = opt(1, "micro-batches per batch in the pipeline", min=1)
     schedule: str = opt(

@@ -70,6 +70,7 @@ class CausalSelfAttention(nn.Module):
         self.v = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
+        self.context_parallel = None  # parallel.cp > 1: the exchange that gives attention the whole sequence (GPT.use_context_parallel)
 
     def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
         """`mask`: packed documents kept apart (document_mask.py); None: plain causal attention."""
@@ -77,7 +78,11 @@ class CausalSelfAttention(nn.Module):
         # (B, T, heads x head_dim) -> (B, heads, T, head_dim); under tensor parallelism this rank's heads only
         q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
         # Fused attention: flash / memory-efficient kernels on GPU, a fused kernel on CPU.
-        y = document_mask.attend(q, k, v, mask, dropout_p=self.dropout if self.training else 0.0)
+        dropout_p = self.dropout if self.training else 0.0
+        if self.context_parallel is not None:  # x is this rank's part of the sequence (parallel/context_parallel.py)
+            y = self.context_parallel.attend(q, k, v, dropout_p=dropout_p)
+        else:
+            y = document_mask.attend(q, k, v, mask, dropout_p=dropout_p)
         y = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_drop(self.proj(y))
 
@@ -132,6 +137,7 @@ class GPT(nn.Module):
             self.head.weight = self.tok_emb.weight
 
         self.n_layer = cfg.n_layer
+        self.context_parallel = None  # parallel.cp > 1: which part of each sequence this rank holds (use_context_parallel)
         # Every module initialised by init_weights, drawing from torch's generator: built whole (tests, scripts),
         # this is the model's start; the trainer builds it on the meta device instead and parallel/model_init.py calls
         # init_weights one module at a time, under a seed keyed by the module's name.
@@ -151,6 +157,14 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.LayerNorm):
             module.reset_parameters()
+
+    def use_context_parallel(self, cp) -> None:
+        """parallel.cp > 1: the inputs are this rank's part of each sequence (parallel/context_parallel.py's
+        ContextParallel): positions from that part's place, attention through its exchange."""
+        self.context_parallel = cp
+        for module in self.modules():
+            if isinstance(module, CausalSelfAttention):
+                module.context_parallel = cp
 
     def get_output_embeddings(self) -> nn.Module | None:
         """The layer that makes the logits (transformers' name for it): tensor parallelism keeps its output cut by
@@ -204,6 +218,8 @@ class GPT(nn.Module):
         packed batch's positions within each sample (data/batch.py); each sample then attends only to itself."""
         if self.tok_emb is not None:
             pos = torch.arange(x.size(1), device=x.device) if positions is None else positions
+            if self.context_parallel is not None:  # this rank's part of the sequence: its place in the whole
+                pos = self.context_parallel.positions(x.size(1), x.device)
             x = self.drop(self.tok_emb(x) + self.pos_emb(pos))
         # Once per forward (every stage of a pipeline builds its own); flex attention has no dropout.
         mask = document_mask.for_positions(positions, flex=False if self.training and self.dropout_p else None)

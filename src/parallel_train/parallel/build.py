@@ -20,6 +20,7 @@ from torch import nn
 
 from parallel_train.config.sections import Config
 from parallel_train.errors import UserError
+from parallel_train.parallel.context_parallel import refuse_unsupported
 from parallel_train.parallel.ddp_engine import DataParallelEngine, OptimizerFactory
 from parallel_train.parallel.engine import Engine
 from parallel_train.parallel.mesh import MeshLayout, resolve_layout
@@ -60,6 +61,7 @@ def build_engine(cfg: Config, accelerator, model: nn.Module, init, make_optimize
     can start there: parallel/model_init.py), cuts it, has `init` fill the part this rank holds, and builds the optimizer
     over those parameters (`make_optimizer(module)`). `probe()`: a batch for parallel.split=time."""
     p = cfg.parallel
+    refuse_unsupported(cfg, accelerator.num_processes)
     if p.stage_devices:
         if p.tp > 1 or p.dp_shard > 1:
             raise UserError(

@@ -1,16 +1,19 @@
 """The device mesh: how the processes split the work between data, tensor and pipeline parallelism.
 
-Four axes, outermost first (`DIMS`):
+Five axes, outermost first (`DIMS`):
 
     dp_replicate   whole copies of the model (DDP), or, with dp_shard, the replicas of HSDP
     dp_shard       FSDP2: parameters, gradients and optimizer state cut into dp_shard slices
+    cp             context parallel: each sequence cut into cp parts (parallel/context_parallel.py); FSDP2 shards
+                   over dp_shard x cp, and the cp ranks of a group read the same batch (one data-parallel rank)
     pp             pipeline stages (parallel.pipeline_stages)
     tp             tensor parallel: every layer cut by heads / columns (the model's plan)
 
 Their product is the world size. Ranks are laid out row-major in that order, so tensor-parallel ranks are
 neighbours (one node: they talk in every layer) and, with tp = 1, rank = dp_rank x stages + pp_rank, the
 layout the multi-process pipeline always had. Ranks that differ only in pp or tp read the same batch: the
-data-parallel size is dp_replicate x dp_shard (data/batch_sampler.py).
+data-parallel size is dp_replicate x dp_shard (data/batch_sampler.py); cp ranks read the same batch too, each
+keeping its part of every sequence.
 
 Where the sizes come from, in order: the keys `parallel.dp_replicate`, `parallel.dp_shard`, `parallel.tp`,
 `parallel.pipeline_stages`; an accelerate launch config with a `parallelism_config` block (accelerate's own
@@ -30,8 +33,9 @@ from typing import Any
 
 from parallel_train.config.sections import Config
 from parallel_train.errors import UserError
+from parallel_train.parallel.context_parallel import refuse_unsupported
 
-DIMS = ("dp_replicate", "dp_shard", "pp", "tp")
+DIMS = ("dp_replicate", "dp_shard", "cp", "pp", "tp")
 TRUE = ("1", "true", "yes")
 
 
@@ -39,6 +43,7 @@ TRUE = ("1", "true", "yes")
 class MeshLayout:
     dp_replicate: int = 1
     dp_shard: int = 1
+    cp: int = 1
     pp: int = 1
     tp: int = 1
 
@@ -48,7 +53,7 @@ class MeshLayout:
 
     @property
     def world(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.pp * self.tp
+        return self.dp_replicate * self.dp_shard * self.cp * self.pp * self.tp
 
     @property
     def dp(self) -> int:
@@ -57,8 +62,8 @@ class MeshLayout:
 
     @property
     def sharded(self) -> bool:
-        """Parameters are DTensors: FSDP2 or tensor parallel (or HSDP, or DDP x TP as HSDP with shard size 1)."""
-        return self.dp_shard > 1 or self.tp > 1
+        """Parameters are DTensors: FSDP2, tensor or context parallel (or HSDP, or DDP x TP as HSDP with shard size 1)."""
+        return self.dp_shard > 1 or self.tp > 1 or self.cp > 1
 
     def coordinate(self, rank: int) -> dict[str, int]:
         """This rank's index along each axis (row-major in DIMS order)."""
@@ -93,7 +98,7 @@ def launch_sizes(env: dict[str, str] | None = None) -> dict[str, int]:
     if pc.cp_size > 1 or pc.sp_size > 1:
         raise UserError(
             f"the launch config's parallelism_config asks for cp_size={pc.cp_size}, sp_size={pc.sp_size}: context and "
-            "sequence parallelism are not part of this template; use dp_replicate_size, dp_shard_size and tp_size"
+            "sequence parallelism are not read from a launch config; set parallel.cp=N (docs/parallelism.md) and leave both at 1"
         )
     return {"dp_replicate": pc.dp_replicate_size, "dp_shard": pc.dp_shard_size, "tp": pc.tp_size}
 
@@ -101,6 +106,7 @@ def launch_sizes(env: dict[str, str] | None = None) -> dict[str, int]:
 def resolve_layout(cfg: Config, world: int, env: dict[str, str] | None = None) -> MeshLayout:
     """The mesh for these keys, this launch and this world size, or a one-line error."""
     env = os.environ if env is None else env
+    refuse_unsupported(cfg, world)
     p = cfg.parallel
     sizes = {"dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "tp": p.tp}
     for dim, size in launch_sizes(env).items():
@@ -110,7 +116,7 @@ def resolve_layout(cfg: Config, world: int, env: dict[str, str] | None = None) -
             raise UserError(
                 f"parallel.{dim}={sizes[dim]} but the launch config's parallelism_config says {dim}_size={size}; give the size in one place"
             )
-    pp = p.pipeline_stages
+    pp, cp = p.pipeline_stages, p.cp
     r, s, t = sizes["dp_replicate"], sizes["dp_shard"], sizes["tp"]
     if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() in TRUE and (s > 1 or t > 1):
         raise UserError(
@@ -118,21 +124,21 @@ def resolve_layout(cfg: Config, world: int, env: dict[str, str] | None = None) -
             "with the template's mesh; launch with accelerate_configs/fsdp.yaml (or torchrun) instead, or leave dp_shard and tp at 1"
         )
     fsdp_launch = env.get("ACCELERATE_USE_FSDP", "").lower() in TRUE
-    if fsdp_launch and s == 1 and world % (r * t * pp) == 0:
-        s = world // (r * t * pp)  # fsdp.yaml: shard over every process the other axes leave
+    if fsdp_launch and s == 1 and world % (r * t * pp * cp) == 0:
+        s = world // (r * t * pp * cp)  # fsdp.yaml: shard over every process the other axes leave
     if r == s == t == 1:
-        if world % pp:
+        if world % (pp * cp):
             raise UserError(
                 f"parallel.pipeline_stages={pp} does not divide the world size {world}; launch a multiple of {pp} processes "
                 f"(stages x data-parallel replicas), e.g. torchrun --nproc-per-node {pp} train.py ..."
             )
-        r = world // pp  # plain data parallelism: replicas fill the world
-    layout = MeshLayout(dp_replicate=r, dp_shard=s, pp=pp, tp=t)
+        r = world // (pp * cp)  # plain data parallelism: replicas fill the world
+    layout = MeshLayout(dp_replicate=r, dp_shard=s, cp=cp, pp=pp, tp=t)
     if layout.world != world:
         raise UserError(
-            f"the mesh dp_replicate x dp_shard x pipeline_stages x tp = {r} x {s} x {pp} x {t} = {layout.world} (parallel.* keys and "
-            f"the launch config), but {world} process{'es were' if world > 1 else ' was'} launched; launch {layout.world} "
-            f"processes or change parallel.dp_replicate / dp_shard / tp / pipeline_stages so that the product is {world}"
+            f"the mesh dp_replicate x dp_shard x cp x pipeline_stages x tp = {r} x {s} x {cp} x {pp} x {t} = {layout.world} (parallel.* "
+            f"keys and the launch config), but {world} process{'es were' if world > 1 else ' was'} launched; launch {layout.world} "
+            f"processes or change parallel.dp_replicate / dp_shard / cp / tp / pipeline_stages so that the product is {world}"
         )
     return layout
 
@@ -147,8 +153,19 @@ def build_device_mesh(layout: MeshLayout, device_type: str):
 
 def data_parallel_mesh(mesh, layout: MeshLayout):
     """The mesh FSDP2 shards over: 1-D over dp_shard, or 2-D (dp_replicate, dp_shard) for HSDP (replicate
-    across the first axis, shard across the second; a shard axis of size 1 is DDP for DTensor parameters)."""
+    across the first axis, shard across the second; a shard axis of size 1 is DDP for DTensor parameters).
+    With context parallelism: over dp_shard x cp flattened (context_parallel_mesh)."""
+    if layout.cp > 1:
+        return context_parallel_mesh(mesh, layout)
     return mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
+
+
+def context_parallel_mesh(mesh, layout: MeshLayout):
+    """FSDP2's mesh under context parallelism (torchtitan's dp_shard_cp): dp_shard x cp flattened into one shard axis,
+    with dp_replicate in front for HSDP. Every parameter is then cut over the cp ranks too, and its gradient averaged
+    over them (the mesh engine scales the loss by cp: the parts of one sequence add up)."""
+    shard = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    return mesh["dp_replicate", "dp_shard_cp"] if layout.dp_replicate > 1 else shard
 
 
 def share_line(layout: MeshLayout, local: int, total: int) -> str:

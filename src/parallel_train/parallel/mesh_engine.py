@@ -34,6 +34,7 @@ from parallel_train.checkpoint.named_state import RankState
 from parallel_train.config.sections import Config
 from parallel_train.losses import cross_entropy_sum
 from parallel_train.models.ties import find_ties
+from parallel_train.parallel.context_parallel import ContextParallel
 from parallel_train.parallel.ddp_engine import OptimizerFactory
 from parallel_train.parallel.engine import accumulate
 from parallel_train.parallel.mesh import MeshLayout, build_device_mesh, mesh_summary, share_line
@@ -75,6 +76,7 @@ class MeshEngine:
         sequence_parallel, self.loss_parallel = tensor_parallel_cuts(model, layout.tp, cfg.model.block_size, loss_sum)
         self.notice = gathered_logits_notice(model, layout.tp, self.loss_parallel, cfg.train.batch_size, cfg.model.block_size)
         self.mesh = build_device_mesh(layout, self.device.type)
+        self.cp = self._context_parallel(model, rank)
         policy = precision.fsdp_policy()
         self.compiled = parallelize(model, self.mesh, layout, mp_policy=policy, compile=cfg.train.compile, loss_parallel=self.loss_parallel)
         init.fill(model, self.device)  # parallel/model_init.py: only now does this rank's slice of each parameter get memory
@@ -89,13 +91,22 @@ class MeshEngine:
         self.optimizer = make_optimizer(model)
         self.params = [q for group in self.optimizer.param_groups for q in group["params"]]
         self.local_numel = local_numel(model)
-        what = [w for w, on in (("HSDP" if layout.dp_replicate > 1 else "FSDP2", layout.dp > 1), ("tensor parallel", layout.tp > 1)) if on]
+        what = [("HSDP" if layout.dp_replicate > 1 else "FSDP2", layout.dp > 1 or layout.cp > 1), ("tensor parallel", layout.tp > 1)]
+        what = [w for w, on in what + [(f"context parallel over {layout.cp} ranks (Ulysses all-to-all attention)", layout.cp > 1)] if on]
         self.name = f"device mesh ({' + '.join(what)}, plain torch): {share_line(layout, self.local_numel, total)}"
         self.name += cuts_line(sequence_parallel, self.loss_parallel)
         if self.fsdp and policy is not None:
             self.name += f"; FSDP2 mixed precision: parameters gathered and computed in {precision.name}, gradients reduced in fp32"
-            if layout.dp == 1:  # tensor parallel alone: FSDP2 over one rank, for its policy only (sharding.fsdp_wraps)
+            if layout.dp == layout.cp == 1:  # tensor parallel alone: FSDP2 over one rank, for its policy only (sharding.fsdp_wraps)
                 self.name += " (over one data-parallel rank: fp32 master weights, nothing gathered)"
+
+    def _context_parallel(self, model: nn.Module, rank: int) -> ContextParallel | None:
+        """parallel.cp > 1: the model takes this rank's part of each sequence (parallel/context_parallel.py)."""
+        if self.layout.cp == 1:
+            return None
+        cp = ContextParallel(self.mesh["cp"].get_group(), self.layout.coordinate(rank)["cp"], self.layout.cp)
+        model.use_context_parallel(cp)
+        return cp
 
     def _sync(self, last: bool):
         """FSDP2 reduce-scatters after the last micro-step only (unless parallel.reduce_every_microstep)."""
@@ -110,6 +121,8 @@ class MeshEngine:
 
         with loss_context(self.loss_parallel):  # forward, loss and backward: loss_parallel's ops run in all three
             extra = self.balance.extra(len(micro), scale) if self.balance else None
+            if self.cp is not None:  # each rank its part of every sequence; FSDP2's average over the cp ranks made a sum
+                micro, scale = [self.cp.cut_batch(b) for b in micro], scale * self.cp.size
             backward = lambda s: precision.scale(s * scale).backward()  # noqa: E731
             return accumulate(micro, forward, self.loss_fn, backward, self._sync, self.device, extra)
 
@@ -120,8 +133,13 @@ class MeshEngine:
         """Every rank runs the forward (FSDP all-gathers, TP all-reduces); tensor-parallel rank 0 reports. Under loss
         parallel every tensor-parallel rank gets its slice of the logits, cut by vocabulary: the metrics run on the
         slices, never gathering the whole (parallel/vocab_metrics.py)."""
+        if self.cp is not None:  # each rank its part of the sequence, the logits gathered whole on the group's first
+            x = self.cp.cut(x)
         with self.precision.autocast(self.autocast):
             logits = self.model(x.to(self.device), **{k: v.to(self.device) for k, v in kwargs.items()})
+        if self.cp is not None:
+            logits = self.cp.gather(logits)
+            return logits if self.cp.rank == 0 else None
         return logits if self.tp_rank == 0 or self.loss_parallel else None
 
     def set_training(self, on: bool) -> None:

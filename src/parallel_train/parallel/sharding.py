@@ -161,9 +161,9 @@ def _holds(model: nn.Module, name: str) -> bool:
 
 def fsdp_wraps(layout: MeshLayout, low_precision: bool) -> bool:
     """Whether an engine that puts FSDP2 over the data-parallel axes (the mesh engine, the multi-process pipeline) does
-    so for this layout: with several data-parallel ranks, or with one under bf16/fp16's policy (bf16 through the
+    so for this layout: with several data-parallel (or context-parallel) ranks, or with one under bf16/fp16's policy (bf16 through the
     layers: see the module docstring). The engines and the memory estimate ask this one function."""
-    return layout.dp > 1 or low_precision
+    return layout.dp > 1 or layout.cp > 1 or low_precision
 
 
 def parallelize(
