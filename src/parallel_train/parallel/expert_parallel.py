@@ -1,0 +1,113 @@
+"""Expert parallelism (`parallel.ep=N`): the GPT's experts (models/moe.py) split over N data-parallel ranks, tokens
+sent to the rank that holds their expert by all-to-all, and back.
+
+The EP ranks are the data-parallel ranks (as in torchtitan and transformers' `efsdp`); here N equals parallel.dp_shard
+(the mesh's "dp_shard" axis), so rank r holds experts [r*E/N, (r+1)*E/N) whole and no further FSDP cut applies to them.
+Dense parameters (attention, router, embeddings, norms) stay FSDP2-sharded over the same ranks as without EP.
+
+Each expert weight becomes a DTensor sharded on dim 0 (the expert index) over the "dp_shard" axis, which FSDP2 is told
+to leave alone (`ignored_params`): checkpoints save it under its canonical name in parts, as FSDP2's own shards, so a
+run under ep=2 resumes on one process and the other way round (checkpoint/named_state.py).
+
+One MoE layer's forward under EP (`ExpertExchange`), between models/moe.py's dispatch and combine:
+
+    counts   each rank's per-expert row counts, exchanged (all_to_all_single of E integers): what each rank will get
+    tokens   the rows, sorted by expert, sent to the ranks holding those experts (torch's differentiable all_to_all_single_autograd)
+    compute  this rank's experts over the rows it got, regrouped by local expert
+    back     the outputs sent back in the order they came (the same all-to-all, sizes swapped)
+
+Gradients: the backward of the all-to-all carries each token's gradient back to its rank, and the expert weights'
+gradients sum every rank's tokens. The engines scale each rank's loss by dp_size (FSDP2 averages the dense gradients
+over the ranks, step.py), so the expert gradients are divided by N on the way (`scale_grad`): the same as one process.
+The balancing loss (router_balance.py) is unchanged: each rank counts its own tokens per global expert, all-reduced.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel_train.errors import UserError
+from parallel_train.models.moe import MoE
+
+EXPERT_WEIGHTS = ("fc", "fc_bias", "proj", "proj_bias")
+
+
+def check_expert_layout(ep: int, dp_replicate: int, dp_shard: int, pp: int, tp: int) -> None:
+    """One line for a mesh expert parallelism is not built for here (every rank decides alike, before any collective)."""
+    if ep > 1 and (dp_shard != ep or dp_replicate != 1 or pp != 1 or tp != 1):
+        raise UserError(
+            f"parallel.ep={ep} with parallel.dp_shard={dp_shard}, dp_replicate={dp_replicate}, pipeline_stages={pp}, tp={tp}: "
+            f"expert parallelism runs over the FSDP2 ranks alone; set parallel.dp_shard={ep} (or leave it at 1: ep fills it) "
+            "and dp_replicate, pipeline_stages and tp to 1"
+        )
+
+
+class GradScale(torch.autograd.Function):
+    """The identity forward; the gradient times `factor` backward."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None
+
+
+def scale_grad(t: torch.Tensor | None, factor: float) -> torch.Tensor | None:
+    return None if t is None else GradScale.apply(t, factor)
+
+
+class ExpertExchange:
+    """A MoE layer's token exchange over the EP group (see the module docstring); `moe.exchange` calls it."""
+
+    def __init__(self, group, ep: int):
+        self.group, self.ep = group, ep
+
+    def __call__(self, moe: MoE, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        from torch.distributed._functional_collectives import all_to_all_single_autograd as all_to_all
+
+        ep, local = self.ep, moe.n_experts // self.ep
+        got_counts = torch.empty_like(counts)
+        dist.all_to_all_single(got_counts, counts, group=self.group)  # [source rank, my expert] row counts
+        send = counts.view(ep, local).sum(dim=1).tolist()  # rows to each rank (host read: the split sizes)
+        got_by_rank = got_counts.view(ep, local)
+        recv = got_by_rank.sum(dim=1).tolist()
+        got = all_to_all(rows, recv, send, self.group)  # differentiable: the backward sends the gradients back
+        # Rows arrive by source rank, each rank's sorted by my experts: regroup them by expert (stable: sources in order).
+        expert_of = torch.arange(local, device=rows.device).repeat(ep).repeat_interleave(got_counts)
+        order = torch.argsort(expert_of, stable=True)
+        weights = [scale_grad(local_tensor(getattr(moe, n), rows.dtype), 1.0 / ep) for n in EXPERT_WEIGHTS]
+        out = moe.compute(got[order], got_by_rank.sum(dim=0), weights)
+        back = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
+        return all_to_all(out[back], send, recv, self.group)
+
+
+def local_tensor(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """This rank's experts, in the rows' dtype (FSDP2's bf16 policy casts the dense layers only)."""
+    return None if t is None else (t.to_local() if hasattr(t, "to_local") else t).to(dtype)
+
+
+def shard_experts(model: nn.Module, mesh, ep: int) -> set[nn.Parameter]:
+    """Each MoE layer's expert weights as DTensors sharded by expert over `mesh` (1-D, size ep), its token exchange set;
+    returns those parameters, for FSDP2 to ignore. On the meta device (model_init.py fills this rank's experts later)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    if ep == 1 or not layers:
+        return set()
+    exchange, held = ExpertExchange(mesh.get_group(), ep), set()
+    for m in layers:
+        for name in EXPERT_WEIGHTS:
+            whole = getattr(m, name)
+            if whole is None:
+                continue
+            part = torch.empty((whole.shape[0] // ep, *whole.shape[1:]), dtype=whole.dtype, device=whole.device)
+            p = nn.Parameter(DTensor.from_local(part, mesh, [Shard(0)], run_check=False, shape=whole.shape, stride=whole.stride()))
+            setattr(m, name, p)
+            held.add(p)
+        m.exchange = exchange
+    return held
