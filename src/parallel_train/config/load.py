@@ -228,8 +228,9 @@ def validate(cfg: Config) -> None:
     experts = getattr(m, "n_experts", 0)
     check(
         p.ep == 1 or (cfg.model.name == "gpt" and experts),
-        f"parallel.ep={p.ep}: expert parallelism splits the GPT's experts, and model.name={cfg.model.name} "
-        f"has {'no model.n_experts' if cfg.model.name == 'gpt' else 'experts of its own'}; set model.name=gpt with model.n_experts > 0, or parallel.ep=1",
+        f"parallel.ep={p.ep}: expert parallelism splits the GPT's experts, and "
+        f"{'model.n_experts=0 makes it dense' if cfg.model.name == 'gpt' else f'model.name={cfg.model.name} is not the GPT'}; "
+        "set model.name=gpt with model.n_experts > 0, or parallel.ep=1",
     )
     check(
         not experts or experts % p.ep == 0,

@@ -157,7 +157,9 @@ class ParallelConfig:
     dp_shard: int = opt(1, "FSDP2: processes that shard parameters, gradients and optimizer state (1: none)", min=1)
     tp: int = opt(1, "tensor parallel: processes that split every layer (by heads / columns; the model's plan)", min=1)
     pipeline_stages: int = opt(1, "pipeline stages the model is cut into (1: no pipeline)", min=1)
-    ep: int = opt(1, "expert parallelism: the GPT's experts split over this many dp_shard ranks, tokens sent by all-to-all (1: none)", min=1)
+    ep: int = opt(
+        1, "expert parallelism: the GPT's experts split over this many dp_shard ranks, tokens sent by all-to-all (1: none)", min=1
+    )
     microbatches: int = opt(1, "micro-batches per batch in the pipeline", min=1)
     schedule: str = opt(
         "gpipe",
