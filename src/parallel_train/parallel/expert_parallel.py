@@ -67,6 +67,7 @@ class ExpertExchange:
     def __init__(self, group, ep: int):
         self.group, self.ep = group, ep
 
+    @torch.compiler.disable  # train.compile: the block compiled around it; the split sizes are read on the host anyway
     def __call__(self, moe: MoE, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         from torch.distributed._functional_collectives import all_to_all_single_autograd as all_to_all
 
