@@ -104,3 +104,17 @@ def test_an_ep2_checkpoint_resumes_on_one_process_and_the_other_way_round(launch
     ref = train_records(launched("ref"))
     for name in ("ep2_to_1", "1_to_ep2"):  # a resume's log holds steps 4-6
         assert_same([r for r in ref if r["step"] <= 3] + train_records(launched(name)), ref)
+
+
+def test_the_memory_estimate_under_ep_holds_half_the_experts_and_gathers_none():
+    """Rank 0 holds what FSDP2 over the same 2 ranks holds (half of every tensor, the experts cut by expert, 2 of 4), but
+    FSDP2 never gathers the experts: the estimate's buffers lose the two blocks' whole experts (fp32)."""
+    from parallel_train.parallel.memory_estimate import estimate
+
+    def rank0(*keys: str):
+        cfg, _ = load_config([*EP, "model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.block_size=16", *keys])
+        return estimate(cfg, 2, 65, (torch.zeros(16, dtype=torch.long), torch.zeros(16, dtype=torch.long)))[1][0]
+
+    ep, fsdp = rank0("parallel.ep=2"), rank0("parallel.dp_shard=2")
+    experts = 4 * (32 * 128 * 2 + 128 + 32)  # one layer's fc, proj and their biases, all 4 experts
+    assert ep.param_numel == fsdp.param_numel and fsdp.fsdp_buffers - ep.fsdp_buffers == 2 * 4 * experts

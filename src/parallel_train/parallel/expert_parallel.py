@@ -112,3 +112,13 @@ def shard_experts(model: nn.Module, mesh, ep: int) -> set[nn.Parameter]:
             held.add(p)
         m.exchange = exchange
     return held
+
+
+def expert_numel(module: nn.Module) -> int:
+    """Elements of the expert weights this rank holds by expert parallelism in `module` (FSDP2 never gathers them; the
+    memory estimate leaves them out of its buffers); 0 without EP."""
+    return sum(p.to_local().numel() for m in module.modules() if isinstance(m, MoE) and m.exchange for p in expert_params(m))
+
+
+def expert_params(m: MoE) -> list[nn.Parameter]:
+    return [p for p in (getattr(m, n) for n in EXPERT_WEIGHTS) if p is not None]
