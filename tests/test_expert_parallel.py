@@ -36,8 +36,10 @@ def test_ep_takes_the_fsdp2_ranks_and_refuses_what_it_does_not_build():
     ]:
         with pytest.raises(UserError, match=words):
             load_config([*EP, *keys])
+    got = layout(4, "parallel.ep=2", "parallel.dp_shard=4")  # the experts FSDP-sharded over the 2 "edp" ranks EP leaves
+    assert (got.dp_shard, got.ep) == (4, 2)
     for world, keys in [
-        (4, ("parallel.ep=2", "parallel.dp_shard=4")),
+        (2, ("parallel.ep=4", "parallel.dp_shard=2")),
         (4, ("parallel.ep=2", "parallel.dp_replicate=2", "parallel.dp_shard=2")),
     ]:
         with pytest.raises(UserError, match="expert parallelism runs over the FSDP2 ranks alone"):
@@ -48,6 +50,9 @@ LAUNCHES = {
     "ref": (1, ()),
     "ep2": (2, ("train.batch_size=2", "parallel.ep=2")),
     "ep2_to_1": (1, ("resume={ep2}/checkpoints/step_0000003",)),
+    # ep=2 x 2 "edp" ranks: each expert weight cut by expert over ep, then by its second dim over edp (4 processes)
+    "ep2_edp2": (4, ("train.batch_size=1", "parallel.ep=2", "parallel.dp_shard=4")),
+    "ep2_edp2_to_1": (1, ("resume={ep2_edp2}/checkpoints/step_0000003",)),
     "1_to_ep2": (2, ("train.batch_size=2", "parallel.ep=2", "resume={ref}/checkpoints/step_0000003")),
 }
 
@@ -60,7 +65,7 @@ def launched(tmp_path_factory):
     def get(name: str):
         if name not in outs:
             n, extra = LAUNCHES[name]
-            folders = {k: get(k) for k in ("ep2", "ref") if any("{" + k + "}" in e for e in extra)}
+            folders = {k: get(k) for k in ("ep2", "ep2_edp2", "ref") if any("{" + k + "}" in e for e in extra)}
             out = tmp_path_factory.mktemp(name)
             check(run(warm_cmd(n, *RUN, *(e.format(**folders) for e in extra), f"output_dir={out / 'out'}"), env=launch_env(out)))
             outs[name] = out / "out"
@@ -75,14 +80,15 @@ def train_records(folder) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_ep2_equals_one_process_with_the_balancing_loss_on(launched):
-    ref, ep2 = launched("ref"), launched("ep2")
+@pytest.mark.parametrize("name", ["ep2", "ep2_edp2"])
+def test_ep2_equals_one_process_with_the_balancing_loss_on(launched, name):
+    ref, ep2 = launched("ref"), launched(name)
     assert_same(train_records(ep2), train_records(ref))
     want, got = load_file(ref / "model.safetensors"), load_file(ep2 / "model.safetensors")
     assert sorted(got) == sorted(want)
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5)
-    assert json.loads((ep2 / "summary.json").read_text())["mesh"]["dp_shard"] == 2
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5)
+    assert json.loads((ep2 / "summary.json").read_text())["mesh"]["dp_shard"] == LAUNCHES[name][0]
 
 
 @pytest.mark.slow
@@ -102,7 +108,7 @@ def test_under_ep2_each_rank_holds_half_the_experts(launched):
 @pytest.mark.multiprocess
 def test_an_ep2_checkpoint_resumes_on_one_process_and_the_other_way_round(launched):
     ref = train_records(launched("ref"))
-    for name in ("ep2_to_1", "1_to_ep2"):  # a resume's log holds steps 4-6
+    for name in ("ep2_to_1", "1_to_ep2", "ep2_edp2_to_1"):  # a resume's log holds steps 4-6
         assert_same([r for r in ref if r["step"] <= 3] + train_records(launched(name)), ref)
 
 

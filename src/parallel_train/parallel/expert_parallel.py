@@ -1,13 +1,15 @@
 """Expert parallelism (`parallel.ep=N`): the GPT's experts (models/moe.py) split over N data-parallel ranks, tokens
 sent to the rank that holds their expert by all-to-all, and back.
 
-The EP ranks are the data-parallel ranks (as in torchtitan and transformers' `efsdp`); here N equals parallel.dp_shard
-(the mesh's "dp_shard" axis), so rank r holds experts [r*E/N, (r+1)*E/N) whole and no further FSDP cut applies to them.
-Dense parameters (attention, router, embeddings, norms) stay FSDP2-sharded over the same ranks as without EP.
+The EP ranks come out of the FSDP2 ranks (as in torchtitan and transformers' `efsdp`): parallel.dp_shard = N x edp, the
+"dp_shard" axis unflattened into ("ep", "edp"). EP rank r holds experts [r*E/N, (r+1)*E/N); the edp ranks that EP
+leaves shard those further by their second dim (FSDP of the experts: gathered for the forward, gradients
+reduce-scattered in its backward). Dense parameters (attention, router, embeddings, norms) stay FSDP2-sharded over all
+dp_shard ranks as without EP.
 
-Each expert weight becomes a DTensor sharded on dim 0 (the expert index) over the "dp_shard" axis, which FSDP2 is told
-to leave alone (`ignored_params`): checkpoints save it under its canonical name in parts, as FSDP2's own shards, so a
-run under ep=2 resumes on one process and the other way round (checkpoint/named_state.py).
+Each expert weight is a DTensor (Shard(0) over "ep", Shard(1) over "edp") that FSDP2 is told to leave alone
+(`ignored_params`): checkpoints save it under its canonical name in parts, as FSDP2's own shards, so a run under ep=2
+resumes on one process and the other way round (checkpoint/named_state.py).
 
 One MoE layer's forward under EP (`ExpertExchange`), between models/moe.py's dispatch and combine:
 
@@ -18,7 +20,8 @@ One MoE layer's forward under EP (`ExpertExchange`), between models/moe.py's dis
 
 Gradients: the backward of the all-to-all carries each token's gradient back to its rank, and the expert weights'
 gradients sum every rank's tokens. The engines scale each rank's loss by dp_size (FSDP2 averages the dense gradients
-over the ranks, step.py), so the expert gradients are divided by N on the way (`scale_grad`): the same as one process.
+over the ranks, step.py), so the expert gradients, summed over the ep ranks by the all-to-all and over the edp ranks by
+the reduce-scatter, are divided by dp_shard on the way (`scale_grad`): the same as one process.
 The balancing loss (router_balance.py) is unchanged: each rank counts its own tokens per global expert, all-reduced.
 """
 
@@ -36,11 +39,11 @@ EXPERT_WEIGHTS = ("fc", "fc_bias", "proj", "proj_bias")
 
 def check_expert_layout(ep: int, dp_replicate: int, dp_shard: int, pp: int, tp: int) -> None:
     """One line for a mesh expert parallelism is not built for here (every rank decides alike, before any collective)."""
-    if ep > 1 and (dp_shard != ep or dp_replicate != 1 or pp != 1 or tp != 1):
+    if ep > 1 and (dp_shard % ep or dp_replicate != 1 or pp != 1 or tp != 1):
         raise UserError(
             f"parallel.ep={ep} with parallel.dp_shard={dp_shard}, dp_replicate={dp_replicate}, pipeline_stages={pp}, tp={tp}: "
-            f"expert parallelism runs over the FSDP2 ranks alone; set parallel.dp_shard={ep} (or leave it at 1: ep fills it) "
-            "and dp_replicate, pipeline_stages and tp to 1"
+            f"expert parallelism runs over the FSDP2 ranks alone; set parallel.dp_shard to a multiple of {ep} (or leave it at "
+            "1: ep fills the world) and dp_replicate, pipeline_stages and tp to 1"
         )
 
 
@@ -64,8 +67,8 @@ def scale_grad(t: torch.Tensor | None, factor: float) -> torch.Tensor | None:
 class ExpertExchange:
     """A MoE layer's token exchange over the EP group (see the module docstring); `moe.exchange` calls it."""
 
-    def __init__(self, group, ep: int):
-        self.group, self.ep = group, ep
+    def __init__(self, group, ep: int, dp: int):
+        self.group, self.ep, self.dp = group, ep, dp
 
     @torch.compiler.disable  # train.compile: the block compiled around it; the split sizes are read on the host anyway
     def __call__(self, moe: MoE, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -81,33 +84,41 @@ class ExpertExchange:
         # Rows arrive by source rank, each rank's sorted by my experts: regroup them by expert (stable: sources in order).
         expert_of = torch.arange(local, device=rows.device).repeat(ep).repeat_interleave(got_counts)
         order = torch.argsort(expert_of, stable=True)
-        weights = [scale_grad(local_tensor(getattr(moe, n), rows.dtype), 1.0 / ep) for n in EXPERT_WEIGHTS]
+        weights = [scale_grad(local_tensor(getattr(moe, n), rows.dtype), 1.0 / self.dp) for n in EXPERT_WEIGHTS]
         out = moe.compute(got[order], got_by_rank.sum(dim=0), weights)
         back = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
         return all_to_all(out[back], send, recv, self.group)
 
 
 def local_tensor(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """This rank's experts, in the rows' dtype (FSDP2's bf16 policy casts the dense layers only)."""
-    return None if t is None else (t.to_local() if hasattr(t, "to_local") else t).to(dtype)
+    """This rank's experts whole, in the rows' dtype (FSDP2's bf16 policy casts the dense layers only): gathered over
+    the "edp" ranks, whose backward reduce-scatters (sums) their gradients (`grad_placements`: each rank's differ)."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    if t is None:
+        return None
+    whole = t.redistribute(t.device_mesh, [Shard(0), Replicate()]).to_local(grad_placements=[Shard(0), Partial()])
+    return whole.to(dtype)
 
 
 def shard_experts(model: nn.Module, mesh, ep: int) -> set[nn.Parameter]:
     """Each MoE layer's expert weights as DTensors sharded by expert over `mesh` (1-D, size ep), its token exchange set;
     returns those parameters, for FSDP2 to ignore. On the meta device (model_init.py fills this rank's experts later)."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import Shard, distribute_tensor
 
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     if ep == 1 or not layers:
         return set()
-    exchange, held = ExpertExchange(mesh.get_group(), ep), set()
+    dp = mesh.size()
+    grid = mesh._unflatten(0, (ep, dp // ep), ("ep", "edp"))  # dp_shard rank = ep rank x edp + edp rank
+    exchange, held = ExpertExchange(grid["ep"].get_group(), ep, dp), set()
     for m in layers:
         for name in EXPERT_WEIGHTS:
             whole = getattr(m, name)
             if whole is None:
                 continue
-            part = torch.empty((whole.shape[0] // ep, *whole.shape[1:]), dtype=whole.dtype, device=whole.device)
-            p = nn.Parameter(DTensor.from_local(part, mesh, [Shard(0)], run_check=False, shape=whole.shape, stride=whole.stride()))
+            # by expert over "ep", then by the next dim over "edp" (FSDP of the experts; of size 1 when ep = dp_shard)
+            p = nn.Parameter(distribute_tensor(whole, grid, [Shard(0), Shard(1)]))
             setattr(m, name, p)
             held.add(p)
         m.exchange = exchange

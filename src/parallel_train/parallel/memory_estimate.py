@@ -178,6 +178,8 @@ def _held(cfg: Config, layout: MeshLayout, vocab_size: int, mesh, labels=None) -
         # torch copies each unit's parameters into a buffer of the policy's dtype
         copies = layout.dp_shard > 1 or (_fsdp(cfg, layout) and _precision(cfg, layout)[0] is not None)
         gathered = (2 * max(gathers, default=0) + held - sum(blocks)) * layout.dp_shard if copies else 0
+        edp = layout.dp_shard // layout.ep  # EP's experts gathered over "edp", each layer's kept until its backward
+        gathered += sum(expert_numel(u) for u in units) * edp if edp > 1 and layout.ep > 1 else 0
         # a part's gradient bytes, for one step without accumulation (a pipeline's gradients all stand: not needed)
         units_by_name = counted_units(model).items() if layout.pp == 1 else ()  # the root (a task's head) has its blocks' too: left out
         part_grads = {name: 4 * local_numel(m, trainable=True) for name, m in units_by_name if m is not model}
