@@ -225,6 +225,17 @@ def validate(cfg: Config) -> None:
             "so its samples would attend to each other; set data.packing=false, or see models/gpt.py",
         )
         check(p.tp == 1, f"data.packing with parallel.tp={p.tp}: not supported here; use parallel.dp_shard, or data.packing=false")
+    experts = getattr(m, "n_experts", 0)
+    check(
+        p.ep == 1 or (cfg.model.name == "gpt" and experts),
+        f"parallel.ep={p.ep}: expert parallelism splits the GPT's experts, and "
+        f"{'model.n_experts=0 makes it dense' if cfg.model.name == 'gpt' else f'model.name={cfg.model.name} is not the GPT'}; "
+        "set model.name=gpt with model.n_experts > 0, or parallel.ep=1",
+    )
+    check(
+        not experts or experts % p.ep == 0,
+        f"model.n_experts={experts} is not divisible by parallel.ep={p.ep}: each EP rank holds n_experts / ep experts; choose them so",
+    )
     if getattr(m, "n_experts", 0):  # models/moe.py: routed on whole models, over data-parallel ranks only (for now)
         check(
             p.tp == 1 and p.pipeline_stages == 1,

@@ -160,6 +160,9 @@ class ParallelConfig:
         1, "context parallel: processes that split every sequence (each holds block_size/cp tokens; attention by heads/cp)", min=1
     )
     pipeline_stages: int = opt(1, "pipeline stages the model is cut into (1: no pipeline)", min=1)
+    ep: int = opt(
+        1, "expert parallelism: the GPT's experts split over this many dp_shard ranks, tokens sent by all-to-all (1: none)", min=1
+    )
     microbatches: int = opt(1, "micro-batches per batch in the pipeline", min=1)
     schedule: str = opt(
         "gpipe",

@@ -36,6 +36,7 @@ class MoE(nn.Module):
         self.proj_bias = nn.Parameter(torch.empty(n_experts, n_embd)) if bias else None
         self.drop = nn.Dropout(dropout)
         self.last: tuple[torch.Tensor, torch.Tensor] | None = None  # (counts [E], probability sums [E]) of the last forward
+        self.exchange = None  # expert parallelism (parallel/expert_parallel.py): rows, counts -> the experts' outputs
 
     def init_weights(self, std: float, proj_std: float) -> None:
         """GPT-2's start for the experts (as the dense MLP's fc and proj): normal weights, zero biases."""
@@ -59,21 +60,23 @@ class MoE(nn.Module):
         counts = torch.zeros(self.n_experts, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
         return x[order // self.top_k], counts, order
 
-    def compute(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Each expert's MLP over its contiguous group of `rows`.
+    def compute(self, rows: torch.Tensor, counts: torch.Tensor, weights: list | None = None) -> torch.Tensor:
+        """Each expert's MLP over its contiguous group of `rows`. `weights`: (fc, fc_bias, proj, proj_bias) to use
+        instead of the module's (expert parallelism: this rank's experts only).
 
         A loop over the experts' groups: torch 2.13's `torch._grouped_mm` runs forward on the CPU but its backward
         fails there ("Invalid strides/sizes"), so it cannot train on a laptop. The group sizes are read on the host: on
         the CPU the host holds them already (`.numpy()`, no wait); on a GPU it is one sync per MoE layer, which a
         grouped GEMM with device offsets would remove (torchtitan's way) once it runs everywhere."""
+        fc, fc_bias, proj, proj_bias = weights or (self.fc, self.fc_bias, self.proj, self.proj_bias)
         sizes = group_sizes(counts, rows.shape[0])
         outs = []
         for e, group in enumerate(torch.split(rows, sizes)):
-            h = group @ self.fc[e]
-            if self.fc_bias is not None:
-                h = h + self.fc_bias[e]
-            h = F.gelu(h) @ self.proj[e]
-            outs.append(h if self.proj_bias is None else h + self.proj_bias[e])
+            h = group @ fc[e]
+            if fc_bias is not None:
+                h = h + fc_bias[e]
+            h = F.gelu(h) @ proj[e]
+            outs.append(h if proj_bias is None else h + proj_bias[e])
         return torch.cat(outs)
 
     def combine(self, out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, n_tokens: int) -> torch.Tensor:
@@ -86,7 +89,8 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, shape[-1])
         probs, weights, experts = self.route(tokens)
         rows, counts, order = self.dispatch(tokens, experts)
-        y = self.combine(self.compute(rows, counts), order, weights, tokens.shape[0])
+        out = self.compute(rows, counts) if self.exchange is None else self.exchange(self, rows, counts)
+        y = self.combine(out, order, weights, tokens.shape[0])
         self.last = (counts.detach(), probs.sum(dim=0))
         return self.drop(y.reshape(shape))
 

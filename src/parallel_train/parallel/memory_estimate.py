@@ -41,6 +41,7 @@ from parallel_train.data.batch import Batch, repeat
 from parallel_train.data.batch import parts as batch_parts
 from parallel_train.models import MODELS
 from parallel_train.parallel.activation_memory import PartBytes, block_names, kept_per_part
+from parallel_train.parallel.expert_parallel import expert_numel
 from parallel_train.parallel.mesh import MeshLayout, build_device_mesh, resolve_layout
 from parallel_train.parallel.parts import counted_units, fsdp_units
 from parallel_train.parallel.pipeline.in_flight import in_flight_bytes
@@ -172,10 +173,13 @@ def _held(cfg: Config, layout: MeshLayout, vocab_size: int, mesh, labels=None) -
                 parallelize(view, mesh, layout)  # the run's own code: what each rank holds is what it holds here
         held = sum(local_numel(v) for v in views)
         blocks = [local_numel(u) for u in units]
+        gathers = [b - expert_numel(u) for b, u in zip(blocks, units, strict=True)]  # EP holds its experts, never gathered
         # FSDP2's unsharded copies; over one data-parallel rank only under bf16/fp16's policy (tensor parallel alone), where
         # torch copies each unit's parameters into a buffer of the policy's dtype
         copies = layout.dp_shard > 1 or (_fsdp(cfg, layout) and _precision(cfg, layout)[0] is not None)
-        gathered = (2 * max(blocks, default=0) + held - sum(blocks)) * layout.dp_shard if copies else 0
+        gathered = (2 * max(gathers, default=0) + held - sum(blocks)) * layout.dp_shard if copies else 0
+        edp = layout.dp_shard // layout.ep  # EP's experts gathered over "edp", each layer's kept until its backward
+        gathered += sum(expert_numel(u) for u in units) * edp if edp > 1 and layout.ep > 1 else 0
         # a part's gradient bytes, for one step without accumulation (a pipeline's gradients all stand: not needed)
         units_by_name = counted_units(model).items() if layout.pp == 1 else ()  # the root (a task's head) has its blocks' too: left out
         part_grads = {name: 4 * local_numel(m, trainable=True) for name, m in units_by_name if m is not model}

@@ -34,6 +34,7 @@ from typing import Any
 from parallel_train.config.sections import Config
 from parallel_train.errors import UserError
 from parallel_train.parallel.context_parallel import refuse_unsupported
+from parallel_train.parallel.expert_parallel import check_expert_layout
 
 DIMS = ("dp_replicate", "dp_shard", "cp", "pp", "tp")
 TRUE = ("1", "true", "yes")
@@ -46,6 +47,7 @@ class MeshLayout:
     cp: int = 1
     pp: int = 1
     tp: int = 1
+    ep: int = 1  # expert parallelism (parallel/expert_parallel.py): the experts split over the dp_shard ranks; not an axis
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -78,7 +80,7 @@ class MeshLayout:
 
     def describe(self) -> str:
         """`dp_shard 2 x tp 2` (the axes above 1; `1 process` when there are none)."""
-        active = [f"{dim} {size}" for dim, size in self.sizes.items() if size > 1]
+        active = [f"{dim} {size}" for dim, size in self.sizes.items() if size > 1] + [f"ep {self.ep}"] * (self.ep > 1)
         return " x ".join(active) or "1 process"
 
 
@@ -126,6 +128,8 @@ def resolve_layout(cfg: Config, world: int, env: dict[str, str] | None = None) -
     fsdp_launch = env.get("ACCELERATE_USE_FSDP", "").lower() in TRUE
     if fsdp_launch and s == 1 and world % (r * t * pp * cp) == 0:
         s = world // (r * t * pp * cp)  # fsdp.yaml: shard over every process the other axes leave
+    if p.ep > 1 and r == s == t == 1 and world % (pp * cp) == 0:
+        s = world // (pp * cp)  # expert parallelism: its ranks are the FSDP2 ranks, which fill the world
     if r == s == t == 1:
         if world % (pp * cp):
             raise UserError(
@@ -133,7 +137,8 @@ def resolve_layout(cfg: Config, world: int, env: dict[str, str] | None = None) -
                 f"(stages x data-parallel replicas), e.g. torchrun --nproc-per-node {pp} train.py ..."
             )
         r = world // (pp * cp)  # plain data parallelism: replicas fill the world
-    layout = MeshLayout(dp_replicate=r, dp_shard=s, cp=cp, pp=pp, tp=t)
+    check_expert_layout(p.ep, r, s, pp, t)
+    layout = MeshLayout(dp_replicate=r, dp_shard=s, cp=cp, pp=pp, tp=t, ep=p.ep)
     if layout.world != world:
         raise UserError(
             f"the mesh dp_replicate x dp_shard x cp x pipeline_stages x tp = {r} x {s} x {cp} x {pp} x {t} = {layout.world} (parallel.* "

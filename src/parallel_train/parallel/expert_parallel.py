@@ -1,0 +1,135 @@
+"""Expert parallelism (`parallel.ep=N`): the GPT's experts (models/moe.py) split over N data-parallel ranks, tokens
+sent to the rank that holds their expert by all-to-all, and back.
+
+The EP ranks come out of the FSDP2 ranks (as in torchtitan and transformers' `efsdp`): parallel.dp_shard = N x edp, the
+"dp_shard" axis unflattened into ("ep", "edp"). EP rank r holds experts [r*E/N, (r+1)*E/N); the edp ranks that EP
+leaves shard those further by their second dim (FSDP of the experts: gathered for the forward, gradients
+reduce-scattered in its backward). Dense parameters (attention, router, embeddings, norms) stay FSDP2-sharded over all
+dp_shard ranks as without EP.
+
+Each expert weight is a DTensor (Shard(0) over "ep", Shard(1) over "edp") that FSDP2 is told to leave alone
+(`ignored_params`): checkpoints save it under its canonical name in parts, as FSDP2's own shards, so a run under ep=2
+resumes on one process and the other way round (checkpoint/named_state.py).
+
+One MoE layer's forward under EP (`ExpertExchange`), between models/moe.py's dispatch and combine:
+
+    counts   each rank's per-expert row counts, exchanged (all_to_all_single of E integers): what each rank will get
+    tokens   the rows, sorted by expert, sent to the ranks holding those experts (torch's differentiable all_to_all_single_autograd)
+    compute  this rank's experts over the rows it got, regrouped by local expert
+    back     the outputs sent back in the order they came (the same all-to-all, sizes swapped)
+
+Gradients: the backward of the all-to-all carries each token's gradient back to its rank, and the expert weights'
+gradients sum every rank's tokens. The engines scale each rank's loss by dp_size (FSDP2 averages the dense gradients
+over the ranks, step.py), so the expert gradients, summed over the ep ranks by the all-to-all and over the edp ranks by
+the reduce-scatter, are divided by dp_shard on the way (`scale_grad`): the same as one process.
+The balancing loss (router_balance.py) is unchanged: each rank counts its own tokens per global expert, all-reduced.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel_train.errors import UserError
+from parallel_train.models.moe import MoE
+
+EXPERT_WEIGHTS = ("fc", "fc_bias", "proj", "proj_bias")
+
+
+def check_expert_layout(ep: int, dp_replicate: int, dp_shard: int, pp: int, tp: int) -> None:
+    """One line for a mesh expert parallelism is not built for here (every rank decides alike, before any collective)."""
+    if ep > 1 and (dp_shard % ep or dp_replicate != 1 or pp != 1 or tp != 1):
+        raise UserError(
+            f"parallel.ep={ep} with parallel.dp_shard={dp_shard}, dp_replicate={dp_replicate}, pipeline_stages={pp}, tp={tp}: "
+            f"expert parallelism runs over the FSDP2 ranks alone; set parallel.dp_shard to a multiple of {ep} (or leave it at "
+            "1: ep fills the world) and dp_replicate, pipeline_stages and tp to 1"
+        )
+
+
+class GradScale(torch.autograd.Function):
+    """The identity forward; the gradient times `factor` backward."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None
+
+
+def scale_grad(t: torch.Tensor | None, factor: float) -> torch.Tensor | None:
+    return None if t is None else GradScale.apply(t, factor)
+
+
+class ExpertExchange:
+    """A MoE layer's token exchange over the EP group (see the module docstring); `moe.exchange` calls it."""
+
+    def __init__(self, group, ep: int, dp: int):
+        self.group, self.ep, self.dp = group, ep, dp
+
+    @torch.compiler.disable  # train.compile: the block compiled around it; the split sizes are read on the host anyway
+    def __call__(self, moe: MoE, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        from torch.distributed._functional_collectives import all_to_all_single_autograd as all_to_all
+
+        ep, local = self.ep, moe.n_experts // self.ep
+        got_counts = torch.empty_like(counts)
+        dist.all_to_all_single(got_counts, counts, group=self.group)  # [source rank, my expert] row counts
+        send = counts.view(ep, local).sum(dim=1).tolist()  # rows to each rank (host read: the split sizes)
+        got_by_rank = got_counts.view(ep, local)
+        recv = got_by_rank.sum(dim=1).tolist()
+        got = all_to_all(rows, recv, send, self.group)  # differentiable: the backward sends the gradients back
+        # Rows arrive by source rank, each rank's sorted by my experts: regroup them by expert (stable: sources in order).
+        expert_of = torch.arange(local, device=rows.device).repeat(ep).repeat_interleave(got_counts)
+        order = torch.argsort(expert_of, stable=True)
+        weights = [scale_grad(local_tensor(getattr(moe, n), rows.dtype), 1.0 / self.dp) for n in EXPERT_WEIGHTS]
+        out = moe.compute(got[order], got_by_rank.sum(dim=0), weights)
+        back = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
+        return all_to_all(out[back], send, recv, self.group)
+
+
+def local_tensor(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """This rank's experts whole, in the rows' dtype (FSDP2's bf16 policy casts the dense layers only): gathered over
+    the "edp" ranks, whose backward reduce-scatters (sums) their gradients (`grad_placements`: each rank's differ)."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    if t is None:
+        return None
+    whole = t.redistribute(t.device_mesh, [Shard(0), Replicate()]).to_local(grad_placements=[Shard(0), Partial()])
+    return whole.to(dtype)
+
+
+def shard_experts(model: nn.Module, mesh, ep: int) -> set[nn.Parameter]:
+    """Each MoE layer's expert weights as DTensors sharded by expert over `mesh` (1-D, size ep), its token exchange set;
+    returns those parameters, for FSDP2 to ignore. On the meta device (model_init.py fills this rank's experts later)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    if ep == 1 or not layers:
+        return set()
+    dp = mesh.size()
+    grid = mesh._unflatten(0, (ep, dp // ep), ("ep", "edp"))  # dp_shard rank = ep rank x edp + edp rank
+    exchange, held = ExpertExchange(grid["ep"].get_group(), ep, dp), set()
+    for m in layers:
+        for name in EXPERT_WEIGHTS:
+            whole = getattr(m, name)
+            if whole is None:
+                continue
+            # by expert over "ep", then by the next dim over "edp" (FSDP of the experts; of size 1 when ep = dp_shard)
+            p = nn.Parameter(distribute_tensor(whole, grid, [Shard(0), Shard(1)]))
+            setattr(m, name, p)
+            held.add(p)
+        m.exchange = exchange
+    return held
+
+
+def expert_numel(module: nn.Module) -> int:
+    """Elements of the expert weights this rank holds by expert parallelism in `module` (FSDP2 never gathers them; the
+    memory estimate leaves them out of its buffers); 0 without EP."""
+    return sum(p.to_local().numel() for m in module.modules() if isinstance(m, MoE) and m.exchange for p in expert_params(m))
+
+
+def expert_params(m: MoE) -> list[nn.Parameter]:
+    return [p for p in (getattr(m, n) for n in EXPERT_WEIGHTS) if p is not None]
