@@ -171,7 +171,7 @@ CASES = [
     (
         "mesh_bigger_than_world",
         ["parallel.tp=2"],
-        "= 1 x 1 x 1 x 2 = 2 (parallel.* keys and the launch config), but 1 process was launched",
+        "= 1 x 1 x 1 x 1 x 2 = 2 (parallel.* keys and the launch config), but 1 process was launched",
     ),
     ("section_as_value", ["model=3"], "config key 'model' is a section"),
     ("int_not_a_number", ["train.batch_size=abc"], "train.batch_size: expected an integer"),
