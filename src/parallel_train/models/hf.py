@@ -59,7 +59,7 @@ from parallel_train.models import (
     hf_tensor_parallel,
 )
 from parallel_train.models.activation_checkpoint import Checkpointing, check_option, mode_field, option_field
-from parallel_train.models.ties import find_ties, with_aliases
+from parallel_train.models.ties import find_ties
 
 
 @dataclass
@@ -177,7 +177,7 @@ class HFModel(nn.Module):
         self._register_state_dict_hook(_adapters_only)
         self.register_load_state_dict_post_hook(_base_not_missing)
         self.train()
-        fresh = self._new_head(label_names, folder_names, cfg.new_head) if self.pretrained else ([], {}, None)
+        fresh = hf_head.start_weights(self, label_names, folder_names, cfg.new_head) if self.pretrained else ([], {}, None)
         self.new_weights, self.grown_weights, self.notice = fresh  # grown: {name: the rows its files give}
         # LoRA freezes every weight but its adapters, and checkpoints hold only those: a new or grown head would stay as it starts
         if cfg.lora_rank and (self.new_weights or self.grown_weights):
@@ -186,7 +186,7 @@ class HFModel(nn.Module):
                 "random start and not be saved; train every weight (model.lora_rank=0), or start from a folder that holds the head"
             )
         if self.pretrained and not next(self.parameters()).is_meta:  # built whole (tests, scripts): load its weights now
-            self._load_pretrained()
+            hf_loading.load_whole(self)
         if cfg.lora_rank:  # after the pretrained weights: peft wraps the loaded Linear layers as they are
             self._alias(hf_lora.apply(hf, cfg))
             self._register_parts()  # a targeted child of the model itself (lm_head) is a new module now
@@ -222,57 +222,6 @@ class HFModel(nn.Module):
             hf_lora.init_adapter(name, module)
         else:
             self.init_tree.apply(name, module)
-
-    def _new_head(self, labels: list[str] | None, folder_names: list[str], new_head: bool) -> tuple[list[str], dict[str, int], str | None]:
-        """(the weights the folder does not give, which start from transformers' own initialisation: absent, or of another
-        shape (hf_loading.new_weights); {a head's weight that grows: the rows its files give} (hf_head.py); the one notice
-        that names them). A causal LM must hold all of its own."""
-        if self.task == DEFAULT:
-            return [], {}, None
-        aliases = {**self.tied, **self.weight_aliases}
-        converted = self.weight_conversions.shapes if self.weight_conversions else None
-        fresh = hf_loading.new_weights(self, self.pretrained_files(), aliases, converted)
-        what = f"model.hf_path {self.hf_path!r}"
-        if len(fresh) == len(self.state_dict()):
-            raise UserError(
-                f"{what} holds none of the weights of its {self.hf.config.model_type} model; give the folder save_pretrained wrote"
-            )
-        head = hf_head.folder_head(self.hf, folder_names, self.task, self.hf_path, self.pretrained_files(), aliases) if labels else None
-        grown, notices = {}, []
-        if head is not None:  # the folder's head: its rows keep their names, or model.new_head=true starts it anew
-            kept, notice = hf_head.kept_rows(head, labels, new_head, what)
-            grown = {name: rows for name, rows in kept.items() if name in fresh}  # rows the files give, and new ones
-            fresh = [name for name in fresh if name not in grown] + [t for t in head.tensors if new_head and t not in fresh]
-            notices += [notice] if notice else []
-        others = [name for name in fresh if head is None or name not in head.tensors]
-        if others:
-            names = ", ".join(others[:4]) + (f" and {len(others) - 4} more" if len(others) > 4 else "")
-            notices.append(
-                f"notice: {what} gives no weights for {names} (a new model.task={self.task} head on its pretrained body): they "
-                "start from transformers' own initialisation, as from_pretrained gives them"
-            )
-        return fresh, grown, "; ".join(notices) or None
-
-    def _load_pretrained(self) -> None:
-        from safetensors.torch import load_file
-
-        state = {}
-        for f in self.pretrained_files():
-            state.update(load_file(str(f)))
-        if self.weight_conversions:  # a mixture of experts' fused experts, from the per-expert tensors (hf_conversions.py)
-            state.update(self.weight_conversions.read_all())
-        # An untied lm_head starts as the embedding; a tied one is the embedding (save_pretrained stores it once).
-        state = with_aliases(with_aliases(state, self.weight_aliases), self.tied)
-        state = {k: v for k, v in state.items() if k not in self.new_weights}  # these keep their fresh initialisation
-        own = self.state_dict()
-        for name, rows in self.grown_weights.items():  # a grown head: the files' rows, then its own new ones
-            state[name] = torch.cat([state[name][:rows].to(own[name].dtype), own[name][rows:]])
-        missing = [n for n in own if n not in state and n not in self.new_weights]
-        if missing:
-            raise UserError(
-                f"model.hf_path {self.hf_path!r}: its weights lack {missing[0]!r} ({len(missing)} tensors); was it saved by save_pretrained?"
-            )
-        self.load_state_dict(state, strict=False)
 
     @property
     def config(self) -> Any:

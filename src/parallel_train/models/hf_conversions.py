@@ -127,5 +127,5 @@ class ConvertedTensors:
         return value[(slice(None), *region[1:])] if rows != slice(None) else value[region]
 
     def read_all(self) -> dict[str, torch.Tensor]:
-        """Every converted tensor, whole (a model built whole on the CPU: models/hf.py `_load_pretrained`)."""
+        """Every converted tensor, whole (a model built whole on the CPU: models/hf_loading.py `load_whole`)."""
         return {name: self.read(name) for name in self.conversions}

@@ -14,7 +14,7 @@ first, in its rows' order, and the data's other names after them), so nothing of
 - the data shares no name with the head, or an unnamed head has another number of rows: refused in one line, since
   the head's rows would be trained as other classes; `model.new_head=true` starts a new head of the data's names.
 
-A folder without a head (a body, a masked-LM BERT) gets a new one as before (models/hf.py `_new_head`).
+A folder without a head (a body, a masked-LM BERT) gets a new one as before (`start_weights`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from parallel_train.core.task import DEFAULT
 from parallel_train.errors import UserError
 from parallel_train.models import hf_loading
 
@@ -115,3 +116,36 @@ def kept_rows(head: Head, labels: list[str], new_head: bool, what: str) -> tuple
         f"head of {what}: it grows to {len(labels)} rows, the new ones from transformers' own initialisation; its {n} rows keep "
         "their weights and names"
     )
+
+
+def start_weights(
+    model: Any, labels: list[str] | None, folder_names: list[str], new_head: bool
+) -> tuple[list[str], dict[str, int], str | None]:
+    """(the weights the folder does not give, which start from transformers' own initialisation: absent, or of another
+    shape (hf_loading.new_weights); {a head's weight that grows: the rows its files give} (hf_head.py); the one notice
+    that names them), for a pretrained `model` (models/hf.py HFModel). A causal LM must hold all of its own."""
+    if model.task == DEFAULT:
+        return [], {}, None
+    aliases = {**model.tied, **model.weight_aliases}
+    converted = model.weight_conversions.shapes if model.weight_conversions else None
+    fresh = hf_loading.new_weights(model, model.pretrained_files(), aliases, converted)
+    what = f"model.hf_path {model.hf_path!r}"
+    if len(fresh) == len(model.state_dict()):
+        raise UserError(
+            f"{what} holds none of the weights of its {model.hf.config.model_type} model; give the folder save_pretrained wrote"
+        )
+    head = folder_head(model.hf, folder_names, model.task, model.hf_path, model.pretrained_files(), aliases) if labels else None
+    grown, notices = {}, []
+    if head is not None:  # the folder's head: its rows keep their names, or model.new_head=true starts it anew
+        kept, notice = kept_rows(head, labels, new_head, what)
+        grown = {name: rows for name, rows in kept.items() if name in fresh}  # rows the files give, and new ones
+        fresh = [name for name in fresh if name not in grown] + [t for t in head.tensors if new_head and t not in fresh]
+        notices += [notice] if notice else []
+    others = [name for name in fresh if head is None or name not in head.tensors]
+    if others:
+        names = ", ".join(others[:4]) + (f" and {len(others) - 4} more" if len(others) > 4 else "")
+        notices.append(
+            f"notice: {what} gives no weights for {names} (a new model.task={model.task} head on its pretrained body): they "
+            "start from transformers' own initialisation, as from_pretrained gives them"
+        )
+    return fresh, grown, "; ".join(notices) or None

@@ -18,6 +18,7 @@ import torch
 
 from parallel_train.core.task import AUTO_CLASSES
 from parallel_train.errors import UserError
+from parallel_train.models.ties import with_aliases
 
 INSTALL = "pip install -r requirements-hf.txt"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -311,3 +312,27 @@ def weight_files(hf_path: str) -> list[Path]:
     if not files:
         raise UserError(f"model.hf_path {hf_path!r} holds no weights (model.safetensors); set model.hf_pretrained=false")
     return files
+
+
+def load_whole(model: Any) -> None:
+    """A pretrained model built whole (tests, scripts; a run starts on the meta device instead, parallel/model_init.py):
+    its folder's weights loaded now, converted, aliased and grown as the meta start reads them."""
+    from safetensors.torch import load_file
+
+    state = {}
+    for f in model.pretrained_files():
+        state.update(load_file(str(f)))
+    if model.weight_conversions:  # a mixture of experts' fused experts, from the per-expert tensors (hf_conversions.py)
+        state.update(model.weight_conversions.read_all())
+    # An untied lm_head starts as the embedding; a tied one is the embedding (save_pretrained stores it once).
+    state = with_aliases(with_aliases(state, model.weight_aliases), model.tied)
+    state = {k: v for k, v in state.items() if k not in model.new_weights}  # these keep their fresh initialisation
+    own = model.state_dict()
+    for name, rows in model.grown_weights.items():  # a grown head: the files' rows, then its own new ones
+        state[name] = torch.cat([state[name][:rows].to(own[name].dtype), own[name][rows:]])
+    missing = [n for n in own if n not in state and n not in model.new_weights]
+    if missing:
+        raise UserError(
+            f"model.hf_path {model.hf_path!r}: its weights lack {missing[0]!r} ({len(missing)} tensors); was it saved by save_pretrained?"
+        )
+    model.load_state_dict(state, strict=False)
