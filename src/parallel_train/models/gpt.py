@@ -262,13 +262,12 @@ class GPT(nn.Module):
         """Token ids (B, T) -> logits (B, T, vocab). A pipeline stage may lack some parts. `positions` (B, T): a
         packed batch's positions within each sample (data/batch.py); each sample then attends only to itself."""
         if self.tok_emb is not None:
-            x = self.tok_emb(x)
-            if self.pos_emb is not None:  # gpt2 flavor: learned positions (llama: rotary, in each attention)
-                pos = torch.arange(x.size(1), device=x.device) if positions is None else positions
-                if self.context_parallel is not None:  # this rank's part of the sequence: its place in the whole
-                    pos = self.context_parallel.positions(x.size(1), x.device)
-                x = x + self.pos_emb(pos)
-            x = self.drop(x)
+            # the ids' length (tensor parallelism returns the embedding cut by sequence)
+            pos = torch.arange(x.size(1), device=x.device) if positions is None else positions
+            if self.context_parallel is not None:  # this rank's part of the sequence: its place in the whole
+                pos = self.context_parallel.positions(x.size(1), x.device)
+            # gpt2 flavor: learned positions (llama: rotary, in each attention)
+            x = self.drop(self.tok_emb(x) if self.pos_emb is None else self.tok_emb(x) + self.pos_emb(pos))
         # Once per forward (every stage of a pipeline builds its own); flex attention has no dropout.
         mask = document_mask.for_positions(positions, flex=False if self.training and self.dropout_p else None)
         for name, block in self.blocks.items():
