@@ -69,7 +69,7 @@ def test_the_llama_flavor_has_no_position_table_nor_biases_and_tp_cuts_swiglu():
     assert moe.gate.shape == moe.fc.shape == (4, 32, 128) and moe.fc_bias is None
 
 
-def test_rotary_positions_under_context_parallelism_and_in_pipeline_stages_equal_the_whole_model():
+def test_rotary_positions_in_pipeline_stages_packed_rows_and_under_context_parallelism_equal_the_whole_model():
     model = tiny()
     x = torch.randint(0, 50, (2, 16))
     with torch.no_grad():
@@ -81,6 +81,9 @@ def test_rotary_positions_under_context_parallelism_and_in_pipeline_stages_equal
         second.tok_emb = None
         del second.blocks["0"]
         torch.testing.assert_close(second(first(x)), want)
+        # a packed row of two samples equals each alone (the document mask; rotary scores depend on relative places only)
+        packed = model(x, positions=torch.arange(8).repeat(2).expand(2, 16))
+        torch.testing.assert_close(packed, torch.cat([model(x[:, :8]), model(x[:, 8:])], dim=1))
         # cp=2: each rank its half of the sequence, rotated by its place in the whole
         box, barrier, got = {}, threading.Barrier(2), [None, None]
 
