@@ -19,9 +19,9 @@ files (its chat template too), so that `AutoModelForCausalLM.from_pretrained(OUT
 load it (the model's config.json comes from model.hf_path). A LoRA run's (model.lora_rank) holds the base model with
 the adapters merged in, and OUT-adapter beside it the adapters alone, for `peft.PeftModel.from_pretrained`. A run
 writes output_dir/hf/ (and output_dir/adapter/) itself at the end.
---format hf of the template's GPT of model.flavor=llama: a LlamaForCausalLM folder, MixtralForCausalLM with
-model.n_experts (src/parallel_train/models/gpt_export.py), written by this script only (a GPT run writes no hf/
-itself); the gpt2 flavor is refused in one line.
+--format hf of the template's GPT: model.flavor=llama as a LlamaForCausalLM folder, MixtralForCausalLM with
+model.n_experts; the gpt2 flavor as GPT2LMHeadModel, its experts refused in one line
+(src/parallel_train/models/gpt_export.py). Written by this script only: a GPT run writes no hf/ itself.
 --max-shard-size applies to --format safetensors only, --dtype to --format hf only: given with the other format,
 each is refused in one line (it would change nothing).
 
@@ -119,7 +119,7 @@ def hf_writer(folder: Path, out: Path, dtype: str | None) -> tuple[list[Path], C
         return [out], gpt_writer(folder, cfg.model, dtype)
     if cfg.model.name != "hf":
         raise UserError(
-            f"{folder} trained model.name={cfg.model.name}; --format hf exports model.name=hf runs and the GPT of model.flavor=llama "
+            f"{folder} trained model.name={cfg.model.name}; --format hf exports model.name=hf and model.name=gpt runs "
             "(use --format safetensors)"
         )
 
@@ -143,8 +143,8 @@ def hf_writer(folder: Path, out: Path, dtype: str | None) -> tuple[list[Path], C
 
 
 def gpt_writer(folder: Path, cfg, dtype: str | None) -> Callable[[Path], str]:
-    """The GPT of model.flavor=llama as a Llama (Mixtral with model.n_experts) model folder; a gpt2 flavor is refused
-    before anything is written (models/gpt_export.py)."""
+    """The GPT as a Llama, Mixtral or GPT-2 model folder; the gpt2 flavor's experts are refused before anything is
+    written (models/gpt_export.py)."""
     from parallel_train.models.gpt_export import export_gpt, refuse_gpt2
 
     refuse_gpt2(cfg, str(folder))

@@ -24,7 +24,8 @@ LLAMA = ("model.flavor=llama",)
 
 
 def llama(n_experts: int = 0, tie: bool = False, **keys) -> GPTConfig:
-    return GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, flavor="llama", n_experts=n_experts, tie_embeddings=tie, **keys)
+    keys = {"flavor": "llama", **keys}
+    return GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, n_experts=n_experts, tie_embeddings=tie, **keys)
 
 
 def tiny(n_experts: int = 0, tie: bool = False, **keys) -> GPT:
@@ -39,20 +40,33 @@ def reloaded_logits(folder, x: torch.Tensor) -> torch.Tensor:
         return AutoModelForCausalLM.from_pretrained(folder).eval()(x).logits
 
 
-@pytest.mark.parametrize(("n_experts", "tie"), [(0, False), (0, True), (4, False), (4, True)])
-def test_the_llama_flavor_exports_to_transformers_with_equal_logits(tmp_path, n_experts, tie):
-    model = tiny(n_experts, tie, rope_theta=500.0)
-    line = export_gpt(llama(n_experts, tie, rope_theta=500.0), model.state_dict(), tmp_path, None, "the test's GPT")
-    assert ("MixtralForCausalLM" if n_experts else "LlamaForCausalLM") in line
+@pytest.mark.parametrize(
+    ("n_experts", "tie", "keys", "kind"),
+    [
+        (0, False, {"rope_theta": 500.0}, "LlamaForCausalLM"),
+        (0, True, {"rope_theta": 500.0}, "LlamaForCausalLM"),
+        (4, False, {"rope_theta": 500.0}, "MixtralForCausalLM"),
+        (4, True, {"rope_theta": 500.0}, "MixtralForCausalLM"),
+        (0, False, {"flavor": "gpt2"}, "GPT2LMHeadModel"),
+        (0, True, {"flavor": "gpt2", "bias": False}, "GPT2LMHeadModel"),  # the absent biases written as zeros
+    ],
+)
+def test_the_gpt_exports_to_transformers_with_equal_logits(tmp_path, n_experts, tie, keys, kind):
+    model = tiny(n_experts, tie, **keys)
+    for p in model.parameters():  # biases and norms away from their start, so that a misplaced one shows
+        if p.dim() == 1:
+            torch.nn.init.normal_(p, std=0.3)
+    line = export_gpt(llama(n_experts, tie, **keys), model.state_dict(), tmp_path, None, "the test's GPT")
+    assert kind in line
     x = torch.randint(0, 50, (2, 16))
     with torch.no_grad():
         want = model(x)
     torch.testing.assert_close(reloaded_logits(tmp_path, x), want, rtol=0, atol=1e-5)
 
 
-def test_a_gpt2_flavor_hf_export_is_refused_in_one_line(tmp_path):
-    cfg = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=16)
-    with pytest.raises(UserError, match="model.flavor=gpt2 .* train with model.flavor=llama") as e:
+def test_a_gpt2_flavor_moe_hf_export_is_refused_in_one_line(tmp_path):
+    cfg = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, n_experts=4)
+    with pytest.raises(UserError, match="model.flavor=gpt2 with model.n_experts=4 .* train with model.flavor=llama") as e:
         export_gpt(cfg, GPT(cfg, 50).state_dict(), tmp_path, None, "runs/x")
     assert "\n" not in str(e.value) and not any(tmp_path.iterdir())
 

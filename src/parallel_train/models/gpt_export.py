@@ -1,6 +1,8 @@
-"""The template's GPT of the llama flavor (`model.flavor=llama`, models/gpt.py) as a Hugging Face model folder:
-dense -> `LlamaForCausalLM`, with model.n_experts -> `MixtralForCausalLM`, which `AutoModelForCausalLM.from_pretrained`
-loads with the GPT's logits (tests/test_gpt_export.py). scripts/export.py --format hf writes it from a run or checkpoint.
+"""The template's GPT (models/gpt.py) as a Hugging Face model folder: the llama flavor (`model.flavor=llama`) dense ->
+`LlamaForCausalLM`, with model.n_experts -> `MixtralForCausalLM`; the gpt2 flavor dense -> `GPT2LMHeadModel` (exact
+GELU, `activation_function="gelu"`; q, k, v joined into c_attn, Linear weights transposed into its Conv1D, absent
+biases written as zeros). `AutoModelForCausalLM.from_pretrained` loads each with the GPT's logits
+(tests/test_gpt_flavor.py). scripts/export.py --format hf writes it from a run or checkpoint.
 
 The names, GPT -> transformers (`model.layers.i.` for `blocks.i.`):
 
@@ -14,8 +16,8 @@ The names, GPT -> transformers (`model.layers.i.` for `blocks.i.`):
                                   w2, Mixtral's own checkpoint names) and from_pretrained fuses again
 
 As models/hf_export.py does: the model is built on the meta device, the renamed weights assigned, and save_pretrained
-writes them with the run's tokenizer where it has a Hugging Face form. A gpt2-flavor GPT has no transformers class of
-this layout (the template cuts q, k, v apart and keeps its own names): refused in one line.
+writes them with the run's tokenizer where it has a Hugging Face form. A gpt2-flavor GPT with experts has no transformers
+class (every transformers MoE has rotary positions, RMSNorm and gated experts): refused in one line.
 """
 
 from __future__ import annotations
@@ -35,11 +37,12 @@ NORMS = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm"}
 
 
 def refuse_gpt2(cfg: Any, source: str) -> None:
-    if getattr(cfg, "flavor", "gpt2") != "llama":
+    """One line for what has no transformers class: the gpt2 flavor's experts."""
+    if getattr(cfg, "flavor", "gpt2") != "llama" and cfg.n_experts:
         raise UserError(
-            f"{source} trained model.flavor=gpt2 (learned positions, LayerNorm, GELU), which no transformers class loads with "
-            "its logits; train with model.flavor=llama to export a Hugging Face folder (Llama, or Mixtral with model.n_experts), "
-            "or export --format safetensors"
+            f"{source} trained model.flavor=gpt2 with model.n_experts={cfg.n_experts} (learned positions, LayerNorm, GELU "
+            "experts), which no transformers MoE class loads with its logits; train with model.flavor=llama to export it as "
+            "Mixtral, or export --format safetensors"
         )
 
 
@@ -47,6 +50,23 @@ def hf_config(cfg: Any, vocab_size: int) -> Any:
     """The transformers config of the GPT `cfg` describes: Llama, or Mixtral with model.n_experts."""
     import transformers
 
+    if cfg.flavor == "gpt2":
+        return transformers.GPT2Config(
+            vocab_size=vocab_size,
+            n_positions=cfg.block_size,
+            n_embd=cfg.n_embd,
+            n_layer=cfg.n_layer,
+            n_head=cfg.n_head,
+            n_inner=4 * cfg.n_embd,
+            activation_function="gelu",  # F.gelu, exact (GPT-2's own is the tanh approximation)
+            layer_norm_epsilon=1e-5,  # nn.LayerNorm's
+            resid_pdrop=cfg.dropout,
+            embd_pdrop=cfg.dropout,
+            attn_pdrop=cfg.dropout,
+            tie_word_embeddings=cfg.tie_embeddings,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
     common = dict(
         vocab_size=vocab_size,
         hidden_size=cfg.n_embd,
@@ -93,6 +113,31 @@ def hf_state(state: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tens
     return out
 
 
+def gpt2_state(state: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
+    """The gpt2 flavor's weights under GPT2LMHeadModel's names: Conv1D weights are (in, out), our Linear's transposed;
+    q, k, v joined into c_attn; a bias model.bias=false left out is zeros (the same function)."""
+
+    def bias(name: str, size: int) -> torch.Tensor:
+        return state.get(name, torch.zeros(size, dtype=state["tok_emb.weight"].dtype))
+
+    out = {"transformer.wte.weight": state["tok_emb.weight"], "transformer.wpe.weight": state["pos_emb.weight"]}
+    out |= {"transformer.ln_f.weight": state["ln_f.weight"], "transformer.ln_f.bias": bias("ln_f.bias", state["ln_f.weight"].numel())}
+    if not tied:
+        out["lm_head.weight"] = state["head.weight"]
+    for i in sorted({int(k.split(".")[1]) for k in state if k.startswith("blocks.")}):
+        b, h = f"blocks.{i}.", f"transformer.h.{i}."
+        qkv = [b + f"attn.{n}" for n in ("q", "k", "v")]
+        out[h + "attn.c_attn.weight"] = torch.cat([state[n + ".weight"].t() for n in qkv], dim=1)
+        out[h + "attn.c_attn.bias"] = torch.cat([bias(n + ".bias", state[n + ".weight"].shape[0]) for n in qkv])
+        for ours, hf in (("attn.proj", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")):
+            weight = state[b + ours + ".weight"]
+            out[h + hf + ".weight"], out[h + hf + ".bias"] = weight.t(), bias(b + ours + ".bias", weight.shape[0])
+        for norm in ("ln_1", "ln_2"):
+            weight = state[b + norm + ".weight"]
+            out[h + norm + ".weight"], out[h + norm + ".bias"] = weight, bias(b + norm + ".bias", weight.numel())
+    return {k: v.contiguous() for k, v in out.items()}
+
+
 def export_gpt(cfg: Any, state: dict[str, torch.Tensor], out: Path, tokenizer: Any, source: str, dtype: str | None = None) -> str:
     """Write `out` (checkpoint/writer.py's `write_folders` gives a new folder) as a Llama or Mixtral model folder, its
     weights in `dtype` (default: float32). Returns one line saying what was written."""
@@ -101,7 +146,7 @@ def export_gpt(cfg: Any, state: dict[str, torch.Tensor], out: Path, tokenizer: A
     config = hf_config(cfg, state["tok_emb.weight"].shape[0])
     with torch.device("meta"):
         model = hf_loading.import_transformers().AutoModelForCausalLM.from_config(config, dtype=hf_loading.DTYPES[dtype])
-    weights = hf_state(state, cfg.tie_embeddings)
+    weights = (gpt2_state if cfg.flavor == "gpt2" else hf_state)(state, cfg.tie_embeddings)
     hf_export.load_weights(model, {k: v.to(hf_loading.DTYPES[dtype]) for k, v in weights.items()}, source)
     model.save_pretrained(out)
     saved = hf_export.hf_tokenizer(tokenizer)
