@@ -19,6 +19,9 @@ files (its chat template too), so that `AutoModelForCausalLM.from_pretrained(OUT
 load it (the model's config.json comes from model.hf_path). A LoRA run's (model.lora_rank) holds the base model with
 the adapters merged in, and OUT-adapter beside it the adapters alone, for `peft.PeftModel.from_pretrained`. A run
 writes output_dir/hf/ (and output_dir/adapter/) itself at the end.
+--format hf of the template's GPT: model.flavor=llama as a LlamaForCausalLM folder, MixtralForCausalLM with
+model.n_experts; the gpt2 flavor as GPT2LMHeadModel, its experts refused in one line
+(src/parallel_train/models/gpt_export.py). Written by this script only: a GPT run writes no hf/ itself.
 --max-shard-size applies to --format safetensors only, --dtype to --format hf only: given with the other format,
 each is refused in one line (it would change nothing).
 
@@ -112,8 +115,13 @@ def hf_writer(folder: Path, out: Path, dtype: str | None) -> tuple[list[Path], C
     from parallel_train.models.hf_export import adapter_folder
 
     cfg = config_from_dict(yaml.safe_load((folder / "config.yaml").read_text()) or {})
+    if cfg.model.name == "gpt":
+        return [out], gpt_writer(folder, cfg.model, dtype)
     if cfg.model.name != "hf":
-        raise UserError(f"{folder} trained model.name={cfg.model.name}; --format hf exports model.name=hf runs (use --format safetensors)")
+        raise UserError(
+            f"{folder} trained model.name={cfg.model.name}; --format hf exports model.name=hf and model.name=gpt runs "
+            "(use --format safetensors)"
+        )
 
     def write(into: Path) -> str:
         from parallel_train.checkpoint.export import load_weights
@@ -132,6 +140,22 @@ def hf_writer(folder: Path, out: Path, dtype: str | None) -> tuple[list[Path], C
         )
 
     return [out, adapter_folder(out)] if cfg.model.lora_rank else [out], write
+
+
+def gpt_writer(folder: Path, cfg, dtype: str | None) -> Callable[[Path], str]:
+    """The GPT as a Llama, Mixtral or GPT-2 model folder; the gpt2 flavor's experts are refused before anything is
+    written (models/gpt_export.py)."""
+    from parallel_train.models.gpt_export import export_gpt, refuse_gpt2
+
+    refuse_gpt2(cfg, str(folder))
+
+    def write(into: Path) -> str:
+        from parallel_train.checkpoint.export import load_weights
+        from parallel_train.data.tokenizers import load_saved
+
+        return export_gpt(cfg, load_weights(folder), into, load_saved(folder), source=str(folder), dtype=dtype)
+
+    return write
 
 
 def safetensors_writer(folder: Path, out: Path, limit: int | None) -> tuple[list[Path], Callable[[Path], str]]:

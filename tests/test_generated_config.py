@@ -53,6 +53,7 @@ CONTEXTS = (
     base("hf"),
     ["data.format=chat"],
     ["parallel.pipeline_stages=2"],
+    ["model.flavor=llama"],
 )
 DOCUMENTED_DEFAULT = "its default (config/usage.py: a key set to its default changes nothing)"
 

@@ -175,6 +175,12 @@ ROWS: tuple[Row, ...] = (
         lambda c: getattr(c.model, "activation_checkpointing", "none") == "selective",
     ),
     Row("model.experts_per_token", "model.n_experts > 0 (model.name=gpt)", _experts),
+    Row("model.rope_theta", "model.flavor=llama (model.name=gpt)", lambda c: getattr(c.model, "flavor", "llama") == "llama"),
+    Row(
+        "model.bias",
+        "model.flavor=gpt2 (model.name=gpt; the llama flavor has no biases)",
+        lambda c: getattr(c.model, "flavor", "gpt2") == "gpt2",
+    ),
     Row("model.moe_aux_loss_coef", "model.n_experts > 0 (model.name=gpt), or a MoE model.name=hf", _experts),
     Row("parallel.microbatches", "parallel.pipeline_stages > 1", _pipeline),
     Row("parallel.schedule", "parallel.pipeline_stages > 1", _pipeline),

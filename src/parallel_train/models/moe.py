@@ -1,5 +1,6 @@
 """The GPT's mixture of experts (`model.n_experts > 0`): the block's MLP replaced by `n_experts` MLPs of the same shape
-(fc -> GELU -> proj, biases as model.bias says) and a router that sends each token to `experts_per_token` of them.
+(fc -> GELU -> proj, biases as model.bias says; the llama flavor's SwiGLU: silu(x @ gate) * (x @ fc) -> proj, no biases,
+transformers' Mixtral experts with fc as `up` and proj as `down`) and a router that sends each token to `experts_per_token` of them.
 
     route     router logits (a Linear without bias) -> softmax over all experts (float32) -> the top k; their weights
               renormalised to sum to 1 (Qwen3-MoE's `norm_topk_prob=True`; Mixtral takes the same softmax of the top k)
@@ -25,7 +26,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 
 class MoE(nn.Module):
-    def __init__(self, n_embd: int, hidden: int, n_experts: int, top_k: int, bias: bool, dropout: float):
+    def __init__(self, n_embd: int, hidden: int, n_experts: int, top_k: int, bias: bool, dropout: float, gated: bool = False):
         super().__init__()
         self.n_experts, self.top_k = n_experts, top_k
         self.router = nn.Linear(n_embd, n_experts, bias=False)
@@ -34,6 +35,7 @@ class MoE(nn.Module):
         self.proj = nn.Parameter(torch.empty(n_experts, hidden, n_embd))
         self.fc_bias = nn.Parameter(torch.empty(n_experts, hidden)) if bias else None
         self.proj_bias = nn.Parameter(torch.empty(n_experts, n_embd)) if bias else None
+        self.gate = nn.Parameter(torch.empty(n_experts, n_embd, hidden)) if gated else None  # SwiGLU's gate (llama flavor)
         self.drop = nn.Dropout(dropout)
         self.last: tuple[torch.Tensor, torch.Tensor] | None = None  # (counts [E], probability sums [E]) of the last forward
         self.exchange = None  # expert parallelism (parallel/expert_parallel.py): rows, counts -> the experts' outputs
@@ -42,6 +44,8 @@ class MoE(nn.Module):
         """GPT-2's start for the experts (as the dense MLP's fc and proj): normal weights, zero biases."""
         nn.init.normal_(self.fc, mean=0.0, std=std)
         nn.init.normal_(self.proj, mean=0.0, std=proj_std)
+        if self.gate is not None:
+            nn.init.normal_(self.gate, mean=0.0, std=std)
         for b in (self.fc_bias, self.proj_bias):
             if b is not None:
                 nn.init.zeros_(b)
@@ -61,21 +65,21 @@ class MoE(nn.Module):
         return x[order // self.top_k], counts, order
 
     def compute(self, rows: torch.Tensor, counts: torch.Tensor, weights: list | None = None) -> torch.Tensor:
-        """Each expert's MLP over its contiguous group of `rows`. `weights`: (fc, fc_bias, proj, proj_bias) to use
+        """Each expert's MLP over its contiguous group of `rows`. `weights`: (fc, fc_bias, proj, proj_bias, gate) to use
         instead of the module's (expert parallelism: this rank's experts only).
 
         A loop over the experts' groups: torch 2.13's `torch._grouped_mm` runs forward on the CPU but its backward
         fails there ("Invalid strides/sizes"), so it cannot train on a laptop. The group sizes are read on the host: on
         the CPU the host holds them already (`.numpy()`, no wait); on a GPU it is one sync per MoE layer, which a
         grouped GEMM with device offsets would remove (torchtitan's way) once it runs everywhere."""
-        fc, fc_bias, proj, proj_bias = weights or (self.fc, self.fc_bias, self.proj, self.proj_bias)
+        fc, fc_bias, proj, proj_bias, gate = weights or (self.fc, self.fc_bias, self.proj, self.proj_bias, self.gate)
         sizes = group_sizes(counts, rows.shape[0])
         outs = []
         for e, group in enumerate(torch.split(rows, sizes)):
             h = group @ fc[e]
             if fc_bias is not None:
                 h = h + fc_bias[e]
-            h = F.gelu(h) @ proj[e]
+            h = (F.gelu(h) if gate is None else F.silu(group @ gate[e]) * h) @ proj[e]
             outs.append(h if proj_bias is None else h + proj_bias[e])
         return torch.cat(outs)
 

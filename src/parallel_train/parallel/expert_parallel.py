@@ -34,7 +34,7 @@ from torch import nn
 from parallel_train.errors import UserError
 from parallel_train.models.moe import MoE
 
-EXPERT_WEIGHTS = ("fc", "fc_bias", "proj", "proj_bias")
+EXPERT_WEIGHTS = ("fc", "fc_bias", "proj", "proj_bias", "gate")  # models/moe.py compute's order; gate: the llama flavor's
 
 
 def check_expert_layout(ep: int, dp_replicate: int, dp_shard: int, pp: int, tp: int) -> None:
