@@ -1,7 +1,7 @@
 """Every measured figure on a page names what prints it. A figure is a number with a unit of time (s, ms, min), of
-size (MB, GiB, ...), of speed (tok/s, samples/s, GB/s), a percentage or a ratio (1.6x), in the prose or a table of
+size (MB, GiB, ...), of speed (tok/s, samples/s, GB/s), a percentage, a ratio (1.6x) or a loss, in the prose or a table of
 README.md or docs/*.md (docs/BENCHMARKS.md keeps the dated records, each with its command). Its source is named in
-the same block (a paragraph, a list item, a table with the paragraph above it as its caption), or is the command in
+the same block (a paragraph, a list item, a table with the paragraphs just above and below it), or is the command in
 the code block right before or after it: a benchmark (`scripts/bench/...`), the estimator or the pre-flight check
 (`estimate_memory.py`, `check_env.py`), a test (`test_...`), a command in a code span (`python ...`, `torchrun ...`:
 a run prints its loss and time), a constant of the code (`FULL_HASH_LIMIT`), or a link to BENCHMARKS.md, where the
@@ -24,9 +24,18 @@ NUMBER = r"\d[\d,]*(?:\.\d+)?"
 FIGURE = re.compile(
     rf"(?<![\w.]){NUMBER}(?:\s?[-–]\s?{NUMBER})?"
     r"(?:\s?(?:ms|s|seconds?|min|minutes?|hours?|[KMGT]i?B(?:/s)?|tok(?:ens)?/s|samples/s|%)|x)(?![\w/])"
+    r"|\bloss(?:es)?\b[^.\d]{0,20}?\*{0,2}\d+\.\d{2,}"  # a loss: `val loss **1.8633**`, `losses (1.1002`
 )
+# A constant the code defines at a module's top (`FULL_HASH_LIMIT = 1 << 30`): the figure is a setting, named.
+CONSTANTS = {
+    name
+    for folder in ("src", "scripts", "tests")
+    for path in (REPO / folder).rglob("*.py")
+    for name in re.findall(r"^([A-Z][A-Z0-9_]{3,})\s*(?::[^=\n]*)?=", path.read_text(), re.M)
+}
 SOURCE = re.compile(
-    r"scripts/bench/|(?:estimate_memory|check_env)\.py|\btest_\w+|BENCHMARKS\.md|`[A-Z][A-Z0-9_]{3,}`"
+    r"scripts/bench/|(?:estimate_memory|check_env)\.py|\btest_\w+|BENCHMARKS\.md"
+    rf"|`(?:{'|'.join(sorted(CONSTANTS))})`"
     r"|`(?:[A-Z_]+=\S+ )*(?:\.venv/bin/)?(?:python3?|torchrun|accelerate launch|bash|pytest)\b[^`]*`"
 )
 COMMAND = re.compile(r"\b(?:python3?|torchrun|accelerate|bash|pytest)\b")  # a code block that runs something
@@ -91,7 +100,7 @@ def unsourced(text: str) -> list[str]:
             continue
         figures = FIGURE.findall(CODE_SPAN.sub("", block))
         before, after = found[i - 1][1] if i else "", found[i + 1][1] if i + 1 < len(found) else ""
-        beside = [block, *(b for b in (before, after) if is_code(b)), *([before] if is_table(block) else [])]
+        beside = [block, *(b for b in (before, after) if is_code(b)), *([before] if is_table(block) or is_table(before) else [])]
         if figures and not any((COMMAND if is_code(b) else SOURCE).search(b) for b in beside):
             problems.append(f"{line}: {', '.join(figures)}: {' '.join(block.split())[:120]}")
     return problems
@@ -105,12 +114,12 @@ def test_the_figure_rule_catches_a_figure_without_its_script():
         "| run | time |\n|---|---|\n| a | 64 s |\n\n"
         "```bash\npython train.py\n```\n\nIt printed 12.2 s.\n\n"
         "Shards of `--max-shard-size 5GB`; 2 x 4 == 1 x 8; 2000 steps.\n\n"
-        "Far from any script: 90 s.\n"
+        "Far from any script: 90 s, and val loss **1.8633**.\n"
     )
     assert [p.split(":")[0:2] for p in unsourced(page)] == [
         ["3", " 1 s, 5-8 s"],
         ["5", " 10-30x, 43 KB, 9%"],
-        ["21", " 90 s"],
+        ["21", " 90 s, loss **1.8633"],
     ], unsourced(page)
 
 
