@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import os
 import re
 import runpy
 import sys
@@ -117,7 +118,7 @@ def parse_problem(script: str, args: list[str], whole: bool) -> str | None:
         return result
 
     path = REPO / script
-    err, argv, syspath = io.StringIO(), sys.argv, list(sys.path)
+    err, argv, syspath, environ = io.StringIO(), sys.argv, list(sys.path), dict(os.environ)  # a script may set a variable
     sys.argv, sys.path[:0] = [str(path), *[a for a in args if a != "..."]], [str(path.parent)]
     argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args = parse_args, parse_known_args
     try:
@@ -135,6 +136,8 @@ def parse_problem(script: str, args: list[str], whole: bool) -> str | None:
     finally:
         argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args = original_args, original_known
         sys.argv, sys.path[:] = argv, syspath
+        os.environ.clear()
+        os.environ.update(environ)
     return "it ran to the end without parsing arguments (not argparse: check it another way)"
 
 
