@@ -44,6 +44,7 @@ from parallel_train.data.batch import concat, named_inputs, parts, refuse_other_
 from parallel_train.errors import UserError
 from parallel_train.losses import cross_entropy_sum, logits_of
 from parallel_train.models.ties import find_ties
+from parallel_train.parallel.context_parallel import on_mesh
 from parallel_train.parallel.ddp_engine import OptimizerFactory
 from parallel_train.parallel.mesh import MeshLayout, build_device_mesh, mesh_summary, share_line
 from parallel_train.parallel.pipeline.cost import measure_units
@@ -143,7 +144,7 @@ class MultiProcessPipelineEngine:
         # M: micro-batches per schedule step, every accumulation micro-step's (see the module docstring)
         self.S, self.M, self.V, self.world, self.rank = S, M * A, V, world, rank
         self.dp_size, self.dp_rank, self.pp_rank, self.tp_rank = layout.dp, layout.dp_rank(rank), where["pp"], where["tp"]
-        self.leader = self.dp_rank == 0 and self.tp_rank == 0  # reports this stage's timeline
+        self.leader = self.dp_rank == 0 and self.tp_rank == 0 and where["cp"] == 0  # reports this stage's timeline
 
         self._flops = model.flops_per_token() if hasattr(model, "flops_per_token") else None
         total = sum(q.numel() for q in model.parameters())
@@ -166,6 +167,7 @@ class MultiProcessPipelineEngine:
 
         mesh = build_device_mesh(layout, self.device.type)
         self.pp_group = mesh.get_group("pp")
+        self.cp = on_mesh(mesh, layout, rank, self.stage_mods)  # parallel.cp > 1: each stage's ranks hold T/cp of every row
         # Each stage cut like a whole model: TP plan, compile per block, FSDP2 over the data-parallel replicas, or over
         # one rank under bf16/fp16, whose policy then computes the stage in bf16 (sharding.fsdp_wraps).
         policy = precision.fsdp_policy()
@@ -196,7 +198,6 @@ class MultiProcessPipelineEngine:
         self.loss_owner = self.is_last and self.tp_rank == 0
         self._scale, self._sums = torch.ones((), device=self.device), []  # this step's loss scale; its summed losses
         self.schedule = self._make_schedule(self.M, p.schedule, timed=True)
-
         self.name = self._banner(total, sequence_parallel)
         places = [f"rank {self.where[i]}" for i in range(S * V)]
         accelerator.print(f"[parallel_train] pipeline split: {describe_stages(model, plan, places, measure.seconds)}")
@@ -261,6 +262,8 @@ class MultiProcessPipelineEngine:
 
     def forward_backward(self, micro, scale: torch.Tensor, precision: Precision) -> torch.Tensor:
         """All micro-steps in one schedule step (A x M micro-batches): one flush, one gradient reduction."""
+        if self.cp is not None:  # each rank its part of every sequence; FSDP2's average over the cp ranks made a sum
+            micro, scale = [self.cp.cut_batch(b) for b in micro], scale * self.cp.size
         x, y, others = parts(concat(micro), self.device)
         refuse_other_inputs(others, f"the multi-process pipeline (parallel.pipeline_stages={self.S})", self.inputs)
         self._scale, self._sums = scale, []  # on this device already (step.py)
@@ -296,8 +299,12 @@ class MultiProcessPipelineEngine:
         padding mask) go to every stage."""
         refuse_other_inputs(kwargs, f"the multi-process pipeline (parallel.pipeline_stages={self.S})", self.inputs)
         stages = dict(zip(self.stage_ids, self.stage_mods, strict=True))
+        x = self.cp.cut(x) if self.cp is not None else x  # the stages send (B, T/cp, ...): the header says the shape
         with self.precision.autocast(self.autocast):
             logits = forward_through(stages, self.where, self.pp_rank, x, self.pp_group, self.device, kwargs)
+        if logits is not None and self.cp is not None:  # the last stage's cp group: the whole sequence on its first
+            logits = self.cp.gather(logits)
+            logits = None if self.cp.rank else logits
         return logits if logits is not None and (self.tp_rank == 0 or self.loss_parallel) else None
 
     def set_training(self, on: bool) -> None:
