@@ -16,6 +16,9 @@ so the same path rehearses CP on a laptop and runs it on GPUs.
 The loss stays exact: each rank sums the loss over its own targets, the step divides by the count of valid targets of
 the whole batch (step.py counts each cp group's batch once), and the gradients of a sequence's parts are added up
 (the mesh engine multiplies the loss by cp, undoing FSDP2's average over the cp ranks).
+
+It composes with tensor parallelism (the exchange runs within each tp rank's n_head/tp heads; sequence parallel cuts
+the rank's T/cp further) and with pipeline stages (each stage's ranks hold T/cp): `refuse_compositions`.
 """
 
 from __future__ import annotations

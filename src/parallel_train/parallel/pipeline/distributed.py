@@ -7,7 +7,8 @@ None, so parameter names stay canonical) and gives memory and first values to th
 the same values whatever holds them); placement.py says which stages (one per rank; looped for the interleaved
 schedules; V-shaped for zbv and dualpipev). With parallel.tp or parallel.dp_shard each stage is then cut like
 a whole model in the mesh engine (parallel/sharding.py: the model's tensor-parallel plan, fully_shard per block):
-pipelines compose with FSDP2, HSDP and tensor parallelism. Under tensor parallelism a stage runs sequence parallel
+pipelines compose with FSDP2, HSDP, tensor and context parallelism (parallel.cp: each stage's ranks hold T/cp of every
+micro-batch, and the stages send that part). Under tensor parallelism a stage runs sequence parallel
 as the whole model does (the plans hand on plain (B, T/tp, H) tensors between the regions, as torchtitan's do: a stage
 sends and receives 1/tp of the sequence), and the last stage keeps the logits cut by vocabulary (loss parallel): the
 forward, the loss and the backward all run inside `schedule.step`, so the step runs under torch's `loss_parallel`.
