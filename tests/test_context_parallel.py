@@ -181,3 +181,19 @@ def test_context_parallel_x_pipeline_on_4_ranks_equals_one_process(launched, tie
     out, log = launched(f"cp2_pp2{'_tied' * bool(tied)}", 4, *tied, "parallel.cp=2", *PP2)
     assert "schedule 1f1b, 2 micro-batches x 2 accumulation = 4 per step" in log and "mesh cp 2 x pp 2" in log
     assert_same_training(out, launched(f"ref{'_tied' * bool(tied)}", 1, *tied)[0])
+
+
+@pytest.mark.slow
+def test_context_parallel_x_zero_bubble_pipeline_equals_one_process(launched):
+    """cp=2 x ZB-V (4 stages V-placed on 2 ranks): the backward split into input and weight gradients, the attention's
+    all-to-all in the input's."""
+    out, _ = launched("cp2_zbv", 4, "parallel.cp=2", "parallel.pipeline_stages=2", "parallel.microbatches=4", "parallel.schedule=zbv")
+    assert_same_training(out, launched("ref", 1)[0])
+
+
+@pytest.mark.slow
+def test_context_parallel_x_tensor_parallel_x_pipeline_on_8_ranks_equals_one_process(launched):
+    """All three: each stage cut by tp (sequence and loss parallel) and by cp, sending (B, T/(cp x tp), C)."""
+    out, log = launched("cp2_tp2_pp2", 8, *H4, "parallel.cp=2", "parallel.tp=2", *PP2)
+    assert "mesh cp 2 x pp 2 x tp 2" in log and "; sequence parallel and loss parallel" in log
+    assert_same_training(out, launched("ref_h4", 1, *H4)[0])
