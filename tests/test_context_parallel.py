@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import check, launch_env, run, summary, warm_cmd
+from helpers import check, launch_env, run, summary, train_losses, warm_cmd
 from parallel_train.config.sections import Config
 from parallel_train.errors import UserError
 from parallel_train.parallel.context_parallel import ContextParallel, refuse_compositions, refuse_unsupported
@@ -161,13 +161,6 @@ def test_context_parallel_x_tensor_parallel_on_4_ranks_equals_one_process(launch
     assert_same_training(out, launched("ref_h4", 1, *H4)[0])
 
 
-@pytest.mark.slow
-def test_a_cp_x_tp_checkpoint_resumes_on_one_process(launched):
-    source = launched("cp2_tp2", 4, *H4, "parallel.cp=2", "parallel.tp=2")[0]
-    out, _ = launched("cp2_tp2_on_1", 1, *H4, f"resume={source}/checkpoints/step_0000003")
-    assert_same_training(out, launched("ref_h4", 1, *H4)[0], steps=range(4, 7))
-
-
 PP2 = ("parallel.pipeline_stages=2", "parallel.microbatches=2", "parallel.schedule=1f1b")
 
 
@@ -197,3 +190,16 @@ def test_context_parallel_x_tensor_parallel_x_pipeline_on_8_ranks_equals_one_pro
     out, log = launched("cp2_tp2_pp2", 8, *H4, "parallel.cp=2", "parallel.tp=2", *PP2)
     assert "mesh cp 2 x pp 2 x tp 2" in log and "; sequence parallel and loss parallel" in log
     assert_same_training(out, launched("ref_h4", 1, *H4)[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["cp2_tp2", "cp2_pp2"])
+def test_a_cp_x_tp_or_pipeline_checkpoint_resumes_on_one_process(launched, name):
+    """The step-3 checkpoint of cp=2 x tp=2 (each rank a shard cut by heads and by dp_shard x cp) and of cp=2 x 2 stages
+    goes on on one process: the same steps 4-6."""
+    heads = H4 if name == "cp2_tp2" else ()
+    layout = ("parallel.tp=2",) if name == "cp2_tp2" else PP2
+    source = launched(name, 4, *heads, "parallel.cp=2", *layout)[0]
+    out, _ = launched(f"{name}_on_1", 1, *heads, f"resume={source}/checkpoints/step_0000003")
+    assert min(train_losses(out)) == 4  # resumed, not started over
+    assert_same_training(out, launched("ref_h4" if heads else "ref", 1, *heads)[0], steps=range(4, 7))

@@ -108,7 +108,7 @@ def check_layout(cfg: Config, world: int) -> tuple[int, int]:
         raise UserError(
             f"parallel.microbatches={M}: {p.schedule} needs a multiple of parallel.pipeline_stages={S} (or fewer micro-batches than stages)"
         )
-    return V, world // (S * p.tp)
+    return V, world // (S * p.tp * p.cp)
 
 
 def _contiguous_input_grads(module, args):
