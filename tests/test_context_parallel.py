@@ -203,3 +203,20 @@ def test_a_cp_x_tp_or_pipeline_checkpoint_resumes_on_one_process(launched, name)
     out, _ = launched(f"{name}_on_1", 1, *heads, f"resume={source}/checkpoints/step_0000003")
     assert min(train_losses(out)) == 4  # resumed, not started over
     assert_same_training(out, launched("ref_h4" if heads else "ref", 1, *heads)[0], steps=range(4, 7))
+
+
+@pytest.mark.slow
+def test_a_loss_loss_parallel_cannot_serve_under_cp_x_tp_equals_one_process(tmp_path):
+    """Label smoothing (docs/guide.md) under cp=2 x tp=2: the logits of each rank's T/cp part gathered whole over tp for
+    it (the notice counts that part), evaluation's gathered over cp as plain tensors."""
+    from helpers import WarmCmd
+    from test_tp_loss_and_lengths import RUN, SMOOTHED_TRAIN
+
+    script = tmp_path / "smoothed_train.py"
+    script.write_text(SMOOTHED_TRAIN)
+    env, ref, cp_tp = launch_env(tmp_path), tmp_path / "ref", tmp_path / "cp2_tp2"
+    check(run(WarmCmd(1, str(script), (*RUN, *H4, f"output_dir={ref}")), env=env))
+    four = check(run(WarmCmd(4, str(script), (*RUN, *H4, "parallel.cp=2", "parallel.tp=2", f"output_dir={cp_tp}")), env=env))
+    assert "4 x 8 x 65 x 4 bytes" in four.output  # a rank's micro-batch: batch 4, its 16/2 tokens, the whole vocabulary
+    assert train_losses(cp_tp) == pytest.approx(train_losses(ref), rel=1e-5) and len(train_losses(ref)) == 3
+    assert summary(cp_tp)["final_val_loss"] == pytest.approx(summary(ref)["final_val_loss"], rel=1e-5)

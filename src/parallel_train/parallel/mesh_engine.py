@@ -74,7 +74,7 @@ class MeshEngine:
         # alike on every rank, before the mesh's first collective.
         loss_sum = task_of(cfg).loss_sum  # the task's loss (tasks/)
         sequence_parallel, self.loss_parallel = tensor_parallel_cuts(model, layout.tp, cfg.model.block_size, loss_sum)
-        self.notice = gathered_logits_notice(model, layout.tp, self.loss_parallel, cfg.train.batch_size, cfg.model.block_size)
+        self.notice = gathered_logits_notice(model, layout.tp, self.loss_parallel, cfg.train.batch_size, cfg.model.block_size // layout.cp)
         self.mesh = build_device_mesh(layout, self.device.type)
         self.cp = on_mesh(self.mesh, layout, rank, [model])  # parallel.cp > 1: the model takes this rank's part of each sequence
         policy = precision.fsdp_policy()

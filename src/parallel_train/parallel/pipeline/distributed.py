@@ -146,14 +146,15 @@ class MultiProcessPipelineEngine:
         self.S, self.M, self.V, self.world, self.rank = S, M * A, V, world, rank
         self.dp_size, self.dp_rank, self.pp_rank, self.tp_rank = layout.dp, layout.dp_rank(rank), where["pp"], where["tp"]
         self.leader = self.dp_rank == 0 and self.tp_rank == 0 and where["cp"] == 0  # reports this stage's timeline
-
         self._flops = model.flops_per_token() if hasattr(model, "flops_per_token") else None
         total = sum(q.numel() for q in model.parameters())
         ties = find_ties(model)  # the whole model's, before any cut: a stage may hold only the alias (parallel/pipeline/tied.py)
         refuse_cut_ties(model, ties, layout.tp)
         # The whole model's cuts, every stage alike; a loss loss parallel cannot serve gets the logits gathered whole
         sequence_parallel, self.loss_parallel = tensor_parallel_cuts(model, layout.tp, cfg.model.block_size, self.loss_sum)
-        self.notice = gathered_logits_notice(model, layout.tp, self.loss_parallel, max(1, cfg.train.batch_size // M), cfg.model.block_size)
+        self.notice = gathered_logits_notice(
+            model, layout.tp, self.loss_parallel, max(1, cfg.train.batch_size // M), cfg.model.block_size // layout.cp
+        )
         self.loss_sum = cross_entropy_sum if self.loss_parallel else self.loss_sum  # plain cross-entropy, on DTensor shards
         measure = measure_units(model, probe, self.device, init)
         plan = plan_stages(model, S * V, p.split, measure)
@@ -167,8 +168,7 @@ class MultiProcessPipelineEngine:
             mod.register_forward_pre_hook(_contiguous_input_grads)
 
         mesh = build_device_mesh(layout, self.device.type)
-        self.pp_group = mesh.get_group("pp")
-        self.cp = on_mesh(mesh, layout, rank, self.stage_mods)  # parallel.cp > 1: each stage's ranks hold T/cp of every row
+        self.pp_group, self.cp = mesh.get_group("pp"), on_mesh(mesh, layout, rank, self.stage_mods)  # cp: stages hold T/cp
         # Each stage cut like a whole model: TP plan, compile per block, FSDP2 over the data-parallel replicas, or over
         # one rank under bf16/fp16, whose policy then computes the stage in bf16 (sharding.fsdp_wraps).
         policy = precision.fsdp_policy()
