@@ -16,6 +16,9 @@ so the same path rehearses CP on a laptop and runs it on GPUs.
 The loss stays exact: each rank sums the loss over its own targets, the step divides by the count of valid targets of
 the whole batch (step.py counts each cp group's batch once), and the gradients of a sequence's parts are added up
 (the mesh engine multiplies the loss by cp, undoing FSDP2's average over the cp ranks).
+
+It composes with tensor parallelism (the exchange runs within each tp rank's n_head/tp heads; sequence parallel cuts
+the rank's T/cp further) and with pipeline stages (each stage's ranks hold T/cp): `refuse_compositions`.
 """
 
 from __future__ import annotations
@@ -33,8 +36,7 @@ def refuse_unsupported(cfg, world: int) -> None:
     if cp == 1:
         return
     rules = [
-        (p.pipeline_stages > 1 or bool(p.stage_devices), "parallel.pipeline_stages / parallel.stage_devices: pipelines"),
-        (p.tp > 1, f"parallel.tp={p.tp}: tensor parallelism"),
+        (bool(p.stage_devices), "parallel.stage_devices: a pipeline in one process"),
         (m.name != "gpt", f"model.name={m.name}: models other than the template's GPT"),
         (m.task != "causal-lm", f"model.task={m.task}: tasks other than causal-lm"),
         (getattr(m, "n_experts", 0) > 0, "model.n_experts: a mixture of experts (its balancing loss counts whole batches)"),
@@ -49,6 +51,30 @@ def refuse_unsupported(cfg, world: int) -> None:
         raise UserError(f"parallel.cp={cp} does not divide model.n_head={m.n_head}: attention gives each rank n_head/cp whole heads")
     if world % cp:
         raise UserError(f"parallel.cp={cp} does not divide the world size {world}; launch a multiple of {cp} processes")
+
+
+def refuse_compositions(cfg, tp: int, pp: int) -> None:
+    """The compositions with tensor parallelism and pipelines, once the mesh's tp is known (a launch config may give it):
+    tensor parallelism gives each tp rank n_head/tp heads, and the Ulysses exchange splits those over the cp ranks;
+    sequence parallel cuts each rank's block_size/cp tokens into tp shards between the blocks."""
+    m, cp = cfg.model, cfg.parallel.cp
+    if cp == 1 or (tp == 1 and pp == 1):
+        return
+    if m.name != "gpt":
+        raise UserError(
+            f"parallel.cp={cp} with parallel.tp={tp} / pipeline_stages={pp} is built for the template's GPT only "
+            f"(model.name={m.name}); set parallel.tp=1 and parallel.pipeline_stages=1, or parallel.cp=1"
+        )
+    if m.n_head % (tp * cp):
+        raise UserError(
+            f"parallel.cp={cp} x parallel.tp={tp}: each tp rank holds model.n_head/tp={m.n_head}/{tp} heads and attention "
+            f"splits them over the {cp} cp ranks; choose model.n_head a multiple of tp x cp = {tp * cp}, or a smaller tp or cp"
+        )
+    if m.block_size % (tp * cp):
+        raise UserError(
+            f"parallel.cp={cp} x parallel.tp={tp}: each rank's model.block_size/cp={m.block_size}/{cp} tokens are cut into {tp} "
+            f"sequence-parallel shards; choose model.block_size a multiple of cp x tp = {tp * cp}"
+        )
 
 
 class ContextParallel:
@@ -67,7 +93,16 @@ class ContextParallel:
         return tuple(self.cut(t) for t in batch)
 
     def gather(self, part: torch.Tensor) -> torch.Tensor:
-        """The whole sequence (dim 1) from every rank's part (evaluation's logits; no gradient)."""
+        """The whole sequence (dim 1) from every rank's part (evaluation's logits; no gradient). Loss parallel's logits
+        (a DTensor cut by vocabulary over the tp ranks) stay cut so: each tp rank gathers its own slice over cp."""
+        if hasattr(part, "to_local"):
+            from torch.distributed.tensor import DTensor
+
+            whole = self.gather(part.to_local())
+            shape = torch.Size((part.shape[0], whole.size(1), *part.shape[2:]))  # the vocabulary's own size, even if tp cuts it unevenly
+            return DTensor.from_local(
+                whole, part.device_mesh, part.placements, run_check=False, shape=shape, stride=torch.empty(shape, device="meta").stride()
+            )
         parts = [torch.empty_like(part) for _ in range(self.size)]
         torch.distributed.all_gather(parts, part.contiguous(), group=self.group)
         return torch.cat(parts, dim=1)
@@ -87,6 +122,18 @@ class ContextParallel:
         q, k, v = (heads_to_sequence(t, self.size, self._all_to_all) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
         return sequence_to_heads(y, self.size, self._all_to_all)
+
+
+def on_mesh(mesh, layout, rank: int, modules) -> ContextParallel | None:
+    """parallel.cp > 1: this rank's place in its cp group (the mesh's "cp" axis), handed to each module (the model, or a
+    pipeline rank's stages) to take its part of every sequence: positions from that part's place, attention through the
+    exchange. None at cp=1."""
+    if layout.cp == 1:
+        return None
+    cp = ContextParallel(mesh["cp"].get_group(), layout.coordinate(rank)["cp"], layout.cp)
+    for module in modules:
+        module.use_context_parallel(cp)
+    return cp
 
 
 def heads_to_sequence(t: torch.Tensor, n: int, exchange) -> torch.Tensor:

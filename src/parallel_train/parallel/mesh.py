@@ -33,7 +33,7 @@ from typing import Any
 
 from parallel_train.config.sections import Config
 from parallel_train.errors import UserError
-from parallel_train.parallel.context_parallel import refuse_unsupported
+from parallel_train.parallel.context_parallel import refuse_compositions, refuse_unsupported
 from parallel_train.parallel.expert_parallel import check_expert_layout
 
 DIMS = ("dp_replicate", "dp_shard", "cp", "pp", "tp")
@@ -138,6 +138,7 @@ def resolve_layout(cfg: Config, world: int, env: dict[str, str] | None = None) -
             )
         r = world // (pp * cp)  # plain data parallelism: replicas fill the world
     check_expert_layout(p.ep, r, s, pp, t)
+    refuse_compositions(cfg, t, pp)
     layout = MeshLayout(dp_replicate=r, dp_shard=s, cp=cp, pp=pp, tp=t, ep=p.ep)
     if layout.world != world:
         raise UserError(

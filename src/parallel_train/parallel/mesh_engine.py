@@ -34,7 +34,7 @@ from parallel_train.checkpoint.named_state import RankState
 from parallel_train.config.sections import Config
 from parallel_train.losses import cross_entropy_sum
 from parallel_train.models.ties import find_ties
-from parallel_train.parallel.context_parallel import ContextParallel
+from parallel_train.parallel.context_parallel import on_mesh
 from parallel_train.parallel.ddp_engine import OptimizerFactory
 from parallel_train.parallel.engine import accumulate
 from parallel_train.parallel.mesh import MeshLayout, build_device_mesh, mesh_summary, share_line
@@ -74,9 +74,9 @@ class MeshEngine:
         # alike on every rank, before the mesh's first collective.
         loss_sum = task_of(cfg).loss_sum  # the task's loss (tasks/)
         sequence_parallel, self.loss_parallel = tensor_parallel_cuts(model, layout.tp, cfg.model.block_size, loss_sum)
-        self.notice = gathered_logits_notice(model, layout.tp, self.loss_parallel, cfg.train.batch_size, cfg.model.block_size)
+        self.notice = gathered_logits_notice(model, layout.tp, self.loss_parallel, cfg.train.batch_size, cfg.model.block_size // layout.cp)
         self.mesh = build_device_mesh(layout, self.device.type)
-        self.cp = self._context_parallel(model, rank)
+        self.cp = on_mesh(self.mesh, layout, rank, [model])  # parallel.cp > 1: the model takes this rank's part of each sequence
         policy = precision.fsdp_policy()
         self.compiled = parallelize(model, self.mesh, layout, mp_policy=policy, compile=cfg.train.compile, loss_parallel=self.loss_parallel)
         init.fill(model, self.device)  # parallel/model_init.py: only now does this rank's slice of each parameter get memory
@@ -99,14 +99,6 @@ class MeshEngine:
             self.name += f"; FSDP2 mixed precision: parameters gathered and computed in {precision.name}, gradients reduced in fp32"
             if layout.dp == layout.cp == 1:  # tensor parallel alone: FSDP2 over one rank, for its policy only (sharding.fsdp_wraps)
                 self.name += " (over one data-parallel rank: fp32 master weights, nothing gathered)"
-
-    def _context_parallel(self, model: nn.Module, rank: int) -> ContextParallel | None:
-        """parallel.cp > 1: the model takes this rank's part of each sequence (parallel/context_parallel.py)."""
-        if self.layout.cp == 1:
-            return None
-        cp = ContextParallel(self.mesh["cp"].get_group(), self.layout.coordinate(rank)["cp"], self.layout.cp)
-        model.use_context_parallel(cp)
-        return cp
 
     def _sync(self, last: bool):
         """FSDP2 reduce-scatters after the last micro-step only (unless parallel.reduce_every_microstep)."""
@@ -137,9 +129,10 @@ class MeshEngine:
             x = self.cp.cut(x)
         with self.precision.autocast(self.autocast):
             logits = self.model(x.to(self.device), **{k: v.to(self.device) for k, v in kwargs.items()})
-        if self.cp is not None:
+        if self.cp is not None:  # under loss parallel each tp rank's vocabulary slice, gathered over its cp group
             logits = self.cp.gather(logits)
-            return logits if self.cp.rank == 0 else None
+            if self.cp.rank:
+                return None
         return logits if self.tp_rank == 0 or self.loss_parallel else None
 
     def set_training(self, on: bool) -> None:

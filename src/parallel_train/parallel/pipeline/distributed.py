@@ -7,7 +7,8 @@ None, so parameter names stay canonical) and gives memory and first values to th
 the same values whatever holds them); placement.py says which stages (one per rank; looped for the interleaved
 schedules; V-shaped for zbv and dualpipev). With parallel.tp or parallel.dp_shard each stage is then cut like
 a whole model in the mesh engine (parallel/sharding.py: the model's tensor-parallel plan, fully_shard per block):
-pipelines compose with FSDP2, HSDP and tensor parallelism. Under tensor parallelism a stage runs sequence parallel
+pipelines compose with FSDP2, HSDP, tensor and context parallelism (parallel.cp: each stage's ranks hold T/cp of every
+micro-batch, and the stages send that part). Under tensor parallelism a stage runs sequence parallel
 as the whole model does (the plans hand on plain (B, T/tp, H) tensors between the regions, as torchtitan's do: a stage
 sends and receives 1/tp of the sequence), and the last stage keeps the logits cut by vocabulary (loss parallel): the
 forward, the loss and the backward all run inside `schedule.step`, so the step runs under torch's `loss_parallel`.
@@ -44,6 +45,7 @@ from parallel_train.data.batch import concat, named_inputs, parts, refuse_other_
 from parallel_train.errors import UserError
 from parallel_train.losses import cross_entropy_sum, logits_of
 from parallel_train.models.ties import find_ties
+from parallel_train.parallel.context_parallel import on_mesh
 from parallel_train.parallel.ddp_engine import OptimizerFactory
 from parallel_train.parallel.mesh import MeshLayout, build_device_mesh, mesh_summary, share_line
 from parallel_train.parallel.pipeline.cost import measure_units
@@ -106,7 +108,7 @@ def check_layout(cfg: Config, world: int) -> tuple[int, int]:
         raise UserError(
             f"parallel.microbatches={M}: {p.schedule} needs a multiple of parallel.pipeline_stages={S} (or fewer micro-batches than stages)"
         )
-    return V, world // (S * p.tp)
+    return V, world // (S * p.tp * p.cp)
 
 
 def _contiguous_input_grads(module, args):
@@ -143,15 +145,16 @@ class MultiProcessPipelineEngine:
         # M: micro-batches per schedule step, every accumulation micro-step's (see the module docstring)
         self.S, self.M, self.V, self.world, self.rank = S, M * A, V, world, rank
         self.dp_size, self.dp_rank, self.pp_rank, self.tp_rank = layout.dp, layout.dp_rank(rank), where["pp"], where["tp"]
-        self.leader = self.dp_rank == 0 and self.tp_rank == 0  # reports this stage's timeline
-
+        self.leader = self.dp_rank == 0 and self.tp_rank == 0 and where["cp"] == 0  # reports this stage's timeline
         self._flops = model.flops_per_token() if hasattr(model, "flops_per_token") else None
         total = sum(q.numel() for q in model.parameters())
         ties = find_ties(model)  # the whole model's, before any cut: a stage may hold only the alias (parallel/pipeline/tied.py)
         refuse_cut_ties(model, ties, layout.tp)
         # The whole model's cuts, every stage alike; a loss loss parallel cannot serve gets the logits gathered whole
         sequence_parallel, self.loss_parallel = tensor_parallel_cuts(model, layout.tp, cfg.model.block_size, self.loss_sum)
-        self.notice = gathered_logits_notice(model, layout.tp, self.loss_parallel, max(1, cfg.train.batch_size // M), cfg.model.block_size)
+        self.notice = gathered_logits_notice(
+            model, layout.tp, self.loss_parallel, max(1, cfg.train.batch_size // M), cfg.model.block_size // layout.cp
+        )
         self.loss_sum = cross_entropy_sum if self.loss_parallel else self.loss_sum  # plain cross-entropy, on DTensor shards
         measure = measure_units(model, probe, self.device, init)
         plan = plan_stages(model, S * V, p.split, measure)
@@ -165,7 +168,7 @@ class MultiProcessPipelineEngine:
             mod.register_forward_pre_hook(_contiguous_input_grads)
 
         mesh = build_device_mesh(layout, self.device.type)
-        self.pp_group = mesh.get_group("pp")
+        self.pp_group, self.cp = mesh.get_group("pp"), on_mesh(mesh, layout, rank, self.stage_mods)  # cp: stages hold T/cp
         # Each stage cut like a whole model: TP plan, compile per block, FSDP2 over the data-parallel replicas, or over
         # one rank under bf16/fp16, whose policy then computes the stage in bf16 (sharding.fsdp_wraps).
         policy = precision.fsdp_policy()
@@ -196,7 +199,6 @@ class MultiProcessPipelineEngine:
         self.loss_owner = self.is_last and self.tp_rank == 0
         self._scale, self._sums = torch.ones((), device=self.device), []  # this step's loss scale; its summed losses
         self.schedule = self._make_schedule(self.M, p.schedule, timed=True)
-
         self.name = self._banner(total, sequence_parallel)
         places = [f"rank {self.where[i]}" for i in range(S * V)]
         accelerator.print(f"[parallel_train] pipeline split: {describe_stages(model, plan, places, measure.seconds)}")
@@ -261,6 +263,8 @@ class MultiProcessPipelineEngine:
 
     def forward_backward(self, micro, scale: torch.Tensor, precision: Precision) -> torch.Tensor:
         """All micro-steps in one schedule step (A x M micro-batches): one flush, one gradient reduction."""
+        if self.cp is not None:  # each rank its part of every sequence; FSDP2's average over the cp ranks made a sum
+            micro, scale = [self.cp.cut_batch(b) for b in micro], scale * self.cp.size
         x, y, others = parts(concat(micro), self.device)
         refuse_other_inputs(others, f"the multi-process pipeline (parallel.pipeline_stages={self.S})", self.inputs)
         self._scale, self._sums = scale, []  # on this device already (step.py)
@@ -296,8 +300,12 @@ class MultiProcessPipelineEngine:
         padding mask) go to every stage."""
         refuse_other_inputs(kwargs, f"the multi-process pipeline (parallel.pipeline_stages={self.S})", self.inputs)
         stages = dict(zip(self.stage_ids, self.stage_mods, strict=True))
+        x = self.cp.cut(x) if self.cp is not None else x  # the stages send (B, T/cp, ...): the header says the shape
         with self.precision.autocast(self.autocast):
             logits = forward_through(stages, self.where, self.pp_rank, x, self.pp_group, self.device, kwargs)
+        if logits is not None and self.cp is not None:  # the last stage's cp group: the whole sequence on its first
+            logits = self.cp.gather(logits)
+            logits = None if self.cp.rank else logits
         return logits if logits is not None and (self.tp_rank == 0 or self.loss_parallel) else None
 
     def set_training(self, on: bool) -> None:

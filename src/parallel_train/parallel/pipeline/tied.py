@@ -62,12 +62,13 @@ class TiedAcrossStages:
 
     @staticmethod
     def _lines(layout: MeshLayout, pp_ranks: list[int]) -> list[list[int]]:
-        """For each data-parallel and tensor-parallel coordinate, the global ranks at pipeline ranks `pp_ranks`."""
+        """For each data-parallel, context-parallel and tensor-parallel coordinate (each holds its own shard of the weight),
+        the global ranks at pipeline ranks `pp_ranks`."""
         lines: dict[tuple, list[int]] = {}
         for r in range(layout.world):
             c = layout.coordinate(r)
             if c["pp"] in pp_ranks:
-                lines.setdefault((c["dp_replicate"], c["dp_shard"], c["tp"]), []).append(r)
+                lines.setdefault((c["dp_replicate"], c["dp_shard"], c["cp"], c["tp"]), []).append(r)
         return [lines[k] for k in sorted(lines)]
 
     @property
