@@ -57,6 +57,7 @@ def test_a_moe_under_tensor_parallel_runs_whole_on_each_rank():
     assert not [name for name in plan if ".mlp." in name]
 
 
+GPIPE = ("parallel.schedule=gpipe", "parallel.microbatches=1")
 LAUNCHES = {
     "ref": (1, ()),
     "ep2": (2, ("train.batch_size=2", "parallel.ep=2")),
@@ -71,8 +72,16 @@ LAUNCHES = {
     # HSDP: 2 replicas, each ep=2 over its 2 dp_shard ranks (the experts replicated over the replicas)
     "ep2_hsdp": (4, ("train.batch_size=1", "parallel.ep=2", "parallel.dp_replicate=2")),
     "ep2_hsdp_to_1": (1, ("resume={ep2_hsdp}/checkpoints/step_0000003",)),
+    # 2 pipeline stages (one MoE layer each): the pipeline's micro-batches are the reference's accumulation micro-steps
+    "pp2": (2, (*GPIPE, "parallel.pipeline_stages=2")),
+    "ep2_pp2": (4, (*GPIPE, "train.batch_size=2", "parallel.ep=2", "parallel.pipeline_stages=2")),
+    "ep2_pp2_to_1": (1, ("resume={ep2_pp2}/checkpoints/step_0000003",)),
+    # 1f1b over 2 x 2 micro-batches of 2 against one process accumulating the same 4 micro-batches
+    "ref_micro": (1, ("train.batch_size=2", "train.gradient_accumulation_steps=4")),
+    "pp2_1f1b": (2, ("parallel.pipeline_stages=2", "parallel.schedule=1f1b", "parallel.microbatches=2")),
 }
-MESH = {"ep2": (1, 2, 1), "ep2_edp2": (1, 4, 1), "ep2_tp2": (1, 2, 2), "ep2_hsdp": (2, 2, 1)}  # dp_replicate, dp_shard, tp
+# dp_replicate, dp_shard, tp, pp
+MESH = {"ep2": (1, 2, 1, 1), "ep2_edp2": (1, 4, 1, 1), "ep2_tp2": (1, 2, 2, 1), "ep2_hsdp": (2, 2, 1, 1), "ep2_pp2": (1, 2, 1, 2)}
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +107,7 @@ def train_records(folder) -> list[dict]:
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(  # ep2: the layout's default test
-    "name", ["ep2", *(pytest.param(name, marks=pytest.mark.slow) for name in ("ep2_edp2", "ep2_tp2", "ep2_hsdp"))]
+    "name", ["ep2", *(pytest.param(name, marks=pytest.mark.slow) for name in ("ep2_edp2", "ep2_tp2", "ep2_hsdp", "ep2_pp2"))]
 )
 def test_ep2_equals_one_process_with_the_balancing_loss_on(launched, name):
     ref, ep2 = launched("ref"), launched(name)
@@ -108,7 +117,18 @@ def test_ep2_equals_one_process_with_the_balancing_loss_on(launched, name):
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5)
     mesh = json.loads((ep2 / "summary.json").read_text())["mesh"]
-    assert (mesh["dp_replicate"], mesh["dp_shard"], mesh["tp"]) == MESH[name]
+    assert (mesh["dp_replicate"], mesh["dp_shard"], mesh["tp"], mesh["pp"]) == MESH[name]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("name", "ref"), [("pp2", "ref"), pytest.param("pp2_1f1b", "ref_micro", marks=pytest.mark.slow)])
+def test_a_moe_over_pipeline_stages_equals_one_process_accumulating_its_micro_batches(launched, name, ref):
+    """Each stage's balancing loss reaches the schedule's backward (pipeline/balance.py): the first stage's MoE layer
+    trains as in one process whose accumulation micro-steps are the pipeline's micro-batches (the pipeline's default test)."""
+    assert_same(train_records(launched(name)), train_records(launched(ref)))
+    want, got = load_file(launched(ref) / "model.safetensors"), load_file(launched(name) / "model.safetensors")
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
@@ -128,7 +148,7 @@ def test_under_ep2_each_rank_holds_half_the_experts(launched):
 @pytest.mark.multiprocess
 def test_an_ep2_checkpoint_resumes_on_one_process_and_the_other_way_round(launched):
     ref = train_records(launched("ref"))
-    for name in ("ep2_to_1", "1_to_ep2", "ep2_edp2_to_1", "ep2_tp2_to_1", "ep2_hsdp_to_1"):  # a resume's log holds steps 4-6
+    for name in ("ep2_to_1", "1_to_ep2", "ep2_edp2_to_1", "ep2_tp2_to_1", "ep2_hsdp_to_1", "ep2_pp2_to_1"):  # steps 4-6 logged
         assert_same([r for r in ref if r["step"] <= 3] + train_records(launched(name)), ref)
 
 

@@ -7,6 +7,11 @@ leaves shard those further by their second dim (FSDP of the experts: gathered fo
 reduce-scattered in its backward). Dense parameters (attention, router, embeddings, norms) stay FSDP2-sharded over all
 dp_shard ranks as without EP.
 
+With the other axes: under HSDP the grid is ("dp_replicate", "ep", "edp"), each replica holding every expert (Replicate
+over the replicas, whose gradients are all-reduced); under tensor parallel each MoE layer runs whole on every tp rank
+(models/gpt.py moe_plan), the EP group the dp_shard ranks at its tp coordinate; in pipeline stages each stage's experts
+over its own dp_shard ranks (its balancing loss: parallel/pipeline/balance.py).
+
 Each expert weight is a DTensor (Shard(0) over "ep", Shard(1) over "edp") that FSDP2 is told to leave alone
 (`ignored_params`): checkpoints save it under its canonical name in parts, as FSDP2's own shards, so a run under ep=2
 resumes on one process and the other way round (checkpoint/named_state.py).
@@ -20,8 +25,8 @@ One MoE layer's forward under EP (`ExpertExchange`), between models/moe.py's dis
 
 Gradients: the backward of the all-to-all carries each token's gradient back to its rank, and the expert weights'
 gradients sum every rank's tokens. The engines scale each rank's loss by dp_size (FSDP2 averages the dense gradients
-over the ranks, step.py), so the expert gradients, summed over the ep ranks by the all-to-all and over the edp ranks by
-the reduce-scatter, are divided by dp_shard on the way (`scale_grad`): the same as one process.
+over the ranks, step.py), so the expert gradients, summed over the ep ranks by the all-to-all, over the edp ranks by
+the reduce-scatter (and over HSDP's replicas), are divided by dp_size on the way (`scale_grad`): the same as one process.
 The balancing loss (router_balance.py) is unchanged: each rank counts its own tokens per global expert, all-reduced.
 """
 
