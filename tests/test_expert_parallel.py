@@ -58,6 +58,7 @@ def test_a_moe_under_tensor_parallel_runs_whole_on_each_rank():
 
 
 GPIPE = ("parallel.schedule=gpipe", "parallel.microbatches=1")
+STAGES4 = ("model.n_layer=4", "parallel.pipeline_stages=2", "parallel.stages_per_rank=2")
 LAUNCHES = {
     "ref": (1, ()),
     "ep2": (2, ("train.batch_size=2", "parallel.ep=2")),
@@ -79,7 +80,12 @@ LAUNCHES = {
     # 1f1b over 2 x 2 micro-batches of 2 against one process accumulating the same 4 micro-batches
     "ref_micro": (1, ("train.batch_size=2", "train.gradient_accumulation_steps=4")),
     "pp2_1f1b": (2, ("parallel.pipeline_stages=2", "parallel.schedule=1f1b", "parallel.microbatches=2")),
+    # 4 layers as 4 stages on 2 ranks (2 stage views each): interleaved 1f1b, and zero-bubble ZB-V (its backward split)
+    "ref4_micro": (1, ("model.n_layer=4", "train.batch_size=2", "train.gradient_accumulation_steps=4")),
+    "interleaved": (2, (*STAGES4, "parallel.schedule=interleaved1f1b", "parallel.microbatches=2")),
+    "zbv": (2, (*STAGES4, "parallel.schedule=zbv", "parallel.microbatches=4", "train.batch_size=8", "train.gradient_accumulation_steps=1")),
 }
+PIPELINES = [("pp2_1f1b", "ref_micro"), ("interleaved", "ref4_micro"), ("zbv", "ref4_micro")]  # -m slow
 # dp_replicate, dp_shard, tp, pp
 MESH = {"ep2": (1, 2, 1, 1), "ep2_edp2": (1, 4, 1, 1), "ep2_tp2": (1, 2, 2, 1), "ep2_hsdp": (2, 2, 1, 1), "ep2_pp2": (1, 2, 1, 2)}
 
@@ -121,7 +127,10 @@ def test_ep2_equals_one_process_with_the_balancing_loss_on(launched, name):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("name", "ref"), [("pp2", "ref"), pytest.param("pp2_1f1b", "ref_micro", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    ("name", "ref"),
+    [("pp2", "ref"), *(pytest.param(*p, marks=pytest.mark.slow) for p in PIPELINES)],
+)
 def test_a_moe_over_pipeline_stages_equals_one_process_accumulating_its_micro_batches(launched, name, ref):
     """Each stage's balancing loss reaches the schedule's backward (pipeline/balance.py): the first stage's MoE layer
     trains as in one process whose accumulation micro-steps are the pipeline's micro-batches (the pipeline's default test)."""

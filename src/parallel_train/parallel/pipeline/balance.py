@@ -35,7 +35,7 @@ class AuxLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out: torch.Tensor, term: torch.Tensor, unit: Callable[[], torch.Tensor]) -> torch.Tensor:
         ctx.unit = unit
-        return out.view_as(out)
+        return out.detach()  # the same memory, not a view: zero-bubble schedules detach a stage's output in place
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -66,7 +66,7 @@ class StageBalance:
             layers = [m for m in mod.modules() if isinstance(m, MoE)]
             if layers:
                 self.stages[sid] = RouterBalance(layers, coef, layout.dp, device, group=group, peers=peers, n_layers=n_layers)
-                mod.register_forward_hook(self._after(self.stages[sid]))
+                mod.register_forward_hook(self._after(mod, self.stages[sid]))
 
     @classmethod
     def of(cls, model: nn.Module, mods: list[nn.Module], ids: list[int], engine, layout: MeshLayout) -> StageBalance | None:
@@ -81,8 +81,10 @@ class StageBalance:
         balance.unit = lambda: engine.precision.scale(torch.ones((), device=engine.device))  # the fp16 loss scale
         return balance
 
-    def _after(self, balance: RouterBalance):
+    def _after(self, mod: nn.Module, balance: RouterBalance):
         def hook(module: nn.Module, args, out):
+            if module is not mod:  # the stage views share one dict of hooks (split.stage_module copies the model)
+                return out
             if not self.live:  # the shapes' inference (or evaluation): no term, nothing counted
                 for m in balance.layers:
                     m.last = None
