@@ -1,6 +1,7 @@
-"""Expert parallelism (`parallel.ep`, parallel/expert_parallel.py): the layout and its refusals in process; under -m slow,
-2 processes with ep=2 against one process (losses, balancing loss, expert load, final weights), what each rank's
-checkpoint part holds, and resuming an ep=2 checkpoint on one process and the other way round."""
+"""Expert parallelism (`parallel.ep`, parallel/expert_parallel.py): the layout and its refusals in process; 2 processes
+with ep=2 against one process (losses, balancing loss, expert load, final weights), and under -m slow the same for ep=2
+with FSDP of the experts, with tensor parallel and with HSDP (4 processes each), what each rank's checkpoint part holds,
+and resuming each layout's checkpoint on one process (and one process's under ep=2)."""
 
 from __future__ import annotations
 
@@ -32,20 +33,32 @@ def test_ep_takes_the_fsdp2_ranks_and_refuses_what_it_does_not_build():
     for keys, words in [
         (("parallel.ep=2", "model.n_experts=0"), "parallel.ep=2: expert parallelism splits the GPT's experts"),
         (("parallel.ep=2", "model.n_experts=3"), "not divisible by parallel.ep=2"),
-        (("parallel.ep=2", "parallel.tp=2"), "parallel.tp=2"),
     ]:
         with pytest.raises(UserError, match=words):
             load_config([*EP, *keys])
     got = layout(4, "parallel.ep=2", "parallel.dp_shard=4")  # the experts FSDP-sharded over the 2 "edp" ranks EP leaves
     assert (got.dp_shard, got.ep) == (4, 2)
-    for world, keys in [
-        (2, ("parallel.ep=4", "parallel.dp_shard=2")),
-        (4, ("parallel.ep=2", "parallel.dp_replicate=2", "parallel.dp_shard=2")),
-    ]:
-        with pytest.raises(UserError, match="expert parallelism runs over the FSDP2 ranks alone"):
+    # with tensor parallel, or HSDP's replicas: the dp_shard ranks fill what those axes leave
+    assert layout(4, "parallel.ep=2", "parallel.tp=2").sizes == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "pp": 1, "tp": 2}
+    assert layout(4, "parallel.ep=2", "parallel.dp_replicate=2").describe() == "dp_replicate 2 x dp_shard 2 x ep 2"
+    for world, keys in [(2, ("parallel.ep=4", "parallel.dp_shard=2")), (4, ("parallel.ep=2", "parallel.tp=4"))]:
+        with pytest.raises(UserError, match="expert parallelism runs over the FSDP2 ranks"):
             layout(world, *keys)
 
 
+def test_a_moe_under_tensor_parallel_runs_whole_on_each_rank():
+    """The plan gathers a MoE layer's input from the sequence shards and cuts its output back; router and experts uncut."""
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+    from parallel_train.models.gpt import GPT, GPTConfig
+
+    plan = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, n_experts=4), vocab_size=11).tensor_parallel_plan(2)
+    assert isinstance(plan["blocks.1.mlp"], PrepareModuleInputOutput)
+    assert not [name for name in plan if ".mlp." in name]
+
+
+GPIPE = ("parallel.schedule=gpipe", "parallel.microbatches=1")
+STAGES4 = ("model.n_layer=4", "parallel.pipeline_stages=2", "parallel.stages_per_rank=2")
 LAUNCHES = {
     "ref": (1, ()),
     "ep2": (2, ("train.batch_size=2", "parallel.ep=2")),
@@ -54,7 +67,27 @@ LAUNCHES = {
     "ep2_edp2": (4, ("train.batch_size=1", "parallel.ep=2", "parallel.dp_shard=4")),
     "ep2_edp2_to_1": (1, ("resume={ep2_edp2}/checkpoints/step_0000003",)),
     "1_to_ep2": (2, ("train.batch_size=2", "parallel.ep=2", "resume={ref}/checkpoints/step_0000003")),
+    # ep=2 over dp_shard x tensor parallel 2 (attention and the dense layers cut; each MoE layer whole on both tp ranks)
+    "ep2_tp2": (4, ("train.batch_size=2", "parallel.ep=2", "parallel.tp=2")),
+    "ep2_tp2_to_1": (1, ("resume={ep2_tp2}/checkpoints/step_0000003",)),
+    # HSDP: 2 replicas, each ep=2 over its 2 dp_shard ranks (the experts replicated over the replicas)
+    "ep2_hsdp": (4, ("train.batch_size=1", "parallel.ep=2", "parallel.dp_replicate=2")),
+    "ep2_hsdp_to_1": (1, ("resume={ep2_hsdp}/checkpoints/step_0000003",)),
+    # 2 pipeline stages (one MoE layer each): the pipeline's micro-batches are the reference's accumulation micro-steps
+    "pp2": (2, (*GPIPE, "parallel.pipeline_stages=2")),
+    "ep2_pp2": (4, (*GPIPE, "train.batch_size=2", "parallel.ep=2", "parallel.pipeline_stages=2")),
+    "ep2_pp2_to_1": (1, ("resume={ep2_pp2}/checkpoints/step_0000003",)),
+    # 1f1b over 2 x 2 micro-batches of 2 against one process accumulating the same 4 micro-batches
+    "ref_micro": (1, ("train.batch_size=2", "train.gradient_accumulation_steps=4")),
+    "pp2_1f1b": (2, ("parallel.pipeline_stages=2", "parallel.schedule=1f1b", "parallel.microbatches=2")),
+    # 4 layers as 4 stages on 2 ranks (2 stage views each): interleaved 1f1b, and zero-bubble ZB-V (its backward split)
+    "ref4_micro": (1, ("model.n_layer=4", "train.batch_size=2", "train.gradient_accumulation_steps=4")),
+    "interleaved": (2, (*STAGES4, "parallel.schedule=interleaved1f1b", "parallel.microbatches=2")),
+    "zbv": (2, (*STAGES4, "parallel.schedule=zbv", "parallel.microbatches=4", "train.batch_size=8", "train.gradient_accumulation_steps=1")),
 }
+PIPELINES = [("pp2_1f1b", "ref_micro"), ("interleaved", "ref4_micro"), ("zbv", "ref4_micro")]  # -m slow
+# dp_replicate, dp_shard, tp, pp
+MESH = {"ep2": (1, 2, 1, 1), "ep2_edp2": (1, 4, 1, 1), "ep2_tp2": (1, 2, 2, 1), "ep2_hsdp": (2, 2, 1, 1), "ep2_pp2": (1, 2, 1, 2)}
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +98,7 @@ def launched(tmp_path_factory):
     def get(name: str):
         if name not in outs:
             n, extra = LAUNCHES[name]
-            folders = {k: get(k) for k in ("ep2", "ep2_edp2", "ref") if any("{" + k + "}" in e for e in extra)}
+            folders = {k: get(k) for k in LAUNCHES if any("{" + k + "}" in e for e in extra)}
             out = tmp_path_factory.mktemp(name)
             check(run(warm_cmd(n, *RUN, *(e.format(**folders) for e in extra), f"output_dir={out / 'out'}"), env=launch_env(out)))
             outs[name] = out / "out"
@@ -79,7 +112,9 @@ def train_records(folder) -> list[dict]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", ["ep2", pytest.param("ep2_edp2", marks=pytest.mark.slow)])  # ep2: the layout's default test
+@pytest.mark.parametrize(  # ep2: the layout's default test
+    "name", ["ep2", *(pytest.param(name, marks=pytest.mark.slow) for name in ("ep2_edp2", "ep2_tp2", "ep2_hsdp", "ep2_pp2"))]
+)
 def test_ep2_equals_one_process_with_the_balancing_loss_on(launched, name):
     ref, ep2 = launched("ref"), launched(name)
     assert_same(train_records(ep2), train_records(ref))
@@ -87,7 +122,22 @@ def test_ep2_equals_one_process_with_the_balancing_loss_on(launched, name):
     assert sorted(got) == sorted(want)
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5)
-    assert json.loads((ep2 / "summary.json").read_text())["mesh"]["dp_shard"] == LAUNCHES[name][0]
+    mesh = json.loads((ep2 / "summary.json").read_text())["mesh"]
+    assert (mesh["dp_replicate"], mesh["dp_shard"], mesh["tp"], mesh["pp"]) == MESH[name]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("name", "ref"),
+    [("pp2", "ref"), *(pytest.param(*p, marks=pytest.mark.slow) for p in PIPELINES)],
+)
+def test_a_moe_over_pipeline_stages_equals_one_process_accumulating_its_micro_batches(launched, name, ref):
+    """Each stage's balancing loss reaches the schedule's backward (pipeline/balance.py): the first stage's MoE layer
+    trains as in one process whose accumulation micro-steps are the pipeline's micro-batches (the pipeline's default test)."""
+    assert_same(train_records(launched(name)), train_records(launched(ref)))
+    want, got = load_file(launched(ref) / "model.safetensors"), load_file(launched(name) / "model.safetensors")
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
@@ -107,7 +157,7 @@ def test_under_ep2_each_rank_holds_half_the_experts(launched):
 @pytest.mark.multiprocess
 def test_an_ep2_checkpoint_resumes_on_one_process_and_the_other_way_round(launched):
     ref = train_records(launched("ref"))
-    for name in ("ep2_to_1", "1_to_ep2", "ep2_edp2_to_1"):  # a resume's log holds steps 4-6
+    for name in ("ep2_to_1", "1_to_ep2", "ep2_edp2_to_1", "ep2_tp2_to_1", "ep2_hsdp_to_1", "ep2_pp2_to_1"):  # steps 4-6 logged
         assert_same([r for r in ref if r["step"] <= 3] + train_records(launched(name)), ref)
 
 

@@ -119,8 +119,8 @@ def test_gpt_with_experts_builds_counts_active_flops_and_refuses_bad_keys():
     assert sparse.flops_per_token() == dense.flops_per_token() + 6 * router  # one expert of the dense MLP's size per token
     with pytest.raises(UserError, match="model.experts_per_token"):
         load_config(["model.n_experts=2", "model.experts_per_token=3"])
-    with pytest.raises(UserError, match="parallel.tp=1 and parallel.pipeline_stages=1"):
-        load_config(["model.n_experts=2", "parallel.tp=2"])
+    with pytest.raises(UserError, match="the in-process pipeline does not carry the router's balancing loss"):
+        load_config(["model.n_experts=2", "parallel.pipeline_stages=2", "parallel.stage_devices=[cpu,cpu]"])
 
 
 # Global batch 8: 4 x 2 micro-batches on one process, 2 x 2 on each of two ranks.

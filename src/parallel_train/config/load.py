@@ -236,11 +236,11 @@ def validate(cfg: Config) -> None:
         not experts or experts % p.ep == 0,
         f"model.n_experts={experts} is not divisible by parallel.ep={p.ep}: each EP rank holds n_experts / ep experts; choose them so",
     )
-    if getattr(m, "n_experts", 0):  # models/moe.py: routed on whole models, over data-parallel ranks only (for now)
+    if getattr(m, "n_experts", 0):  # models/moe.py: the multi-process pipeline carries its balancing loss (pipeline/balance.py)
         check(
-            p.tp == 1 and p.pipeline_stages == 1,
-            f"model.n_experts={m.n_experts} with parallel.tp={p.tp}, parallel.pipeline_stages={p.pipeline_stages}: the GPT's "
-            "experts run under DDP and parallel.dp_shard/dp_replicate only; set parallel.tp=1 and parallel.pipeline_stages=1",
+            not p.stage_devices,
+            f"model.n_experts={m.n_experts} with parallel.stage_devices: the in-process pipeline does not carry the router's "
+            "balancing loss; leave parallel.stage_devices empty and launch one process per stage",
         )
     check(t.min_lr <= t.learning_rate, f"train.min_lr ({t.min_lr}) must not exceed train.learning_rate ({t.learning_rate})")
     check(  # else the warm-up runs into the floor: no stable phase, no decay, the peak never (or once) reached

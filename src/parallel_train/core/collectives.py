@@ -49,12 +49,12 @@ def gather_to_rank0(obj: Any, group=None) -> list[Any]:
     return parts or []
 
 
-def all_reduce_small(t: torch.Tensor, op, device: torch.device | str) -> torch.Tensor:
-    """All-reduce a few numbers across ranks (nothing to do in one process): on `device` under NCCL (which
-    cannot reduce CPU tensors), on the CPU under gloo."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+def all_reduce_small(t: torch.Tensor, op, device: torch.device | str, group=None) -> torch.Tensor:
+    """All-reduce a few numbers across ranks (of `group`: all by default; nothing to do in one process): on `device`
+    under NCCL (which cannot reduce CPU tensors), on the CPU under gloo."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         where = torch.device(device if dist.get_backend() == "nccl" else "cpu")
         if t.device != where:  # a copy, and on a GPU a sync: the callers that run every step make t there already
             t = t.to(where)
-        dist.all_reduce(t, op=op)
+        dist.all_reduce(t, op=op, group=group)
     return t

@@ -221,7 +221,8 @@ class GPT(nn.Module):
         reduce-scatter: sequence parallel); between them the residual stream, the LayerNorms and dropout work on
         1/tp of the sequence each. The embeddings are cut by rows of the vocabulary / positions, the output layer
         by columns (the vocabulary), the logits gathered whole; the mesh engine keeps them cut by vocabulary instead and
-        computes the loss on the shards (loss parallel, parallel/sharding.py).
+        computes the loss on the shards (loss parallel, parallel/sharding.py). A mixture of experts runs whole on every
+        tensor-parallel rank (`moe_plan`).
         Parts a pipeline stage does not hold are skipped by the caller.
         """
         from torch.distributed.tensor import Replicate, Shard
@@ -241,6 +242,7 @@ class GPT(nn.Module):
             plan["pos_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0))
         for name in self.blocks:
             b = f"blocks.{name}."
+            dense = {b + "mlp.fc": ColwiseParallel(input_layouts=Shard(1)), b + "mlp.proj": RowwiseParallel(output_layouts=Shard(1))}
             plan.update(
                 {
                     b + "ln_1": SequenceParallel(),
@@ -250,12 +252,11 @@ class GPT(nn.Module):
                     b + "attn.v": ColwiseParallel(),
                     b + "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
                     b + "ln_2": SequenceParallel(),
-                    b + "mlp.fc": ColwiseParallel(input_layouts=Shard(1)),
-                    b + "mlp.proj": RowwiseParallel(output_layouts=Shard(1)),
                 }
             )
             if self.flavor == "llama":  # SwiGLU: the gate cut as fc (up), so each rank multiplies its own hidden units
-                plan[b + "mlp.gate"] = ColwiseParallel(input_layouts=Shard(1))
+                dense[b + "mlp.gate"] = ColwiseParallel(input_layouts=Shard(1))
+            plan.update(moe_plan(b + "mlp") if isinstance(getattr(self.blocks[name], "mlp", None), MoE) else dense)
         return plan
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -289,3 +290,20 @@ class GPT(nn.Module):
                 experts = sum(p.numel() for n, p in m.named_parameters() if not n.startswith("router"))
                 n_params -= experts * (m.n_experts - m.top_k) // m.n_experts
         return 6 * n_params + 12 * len(self.blocks) * self.n_embd * self.block_size
+
+
+def moe_plan(name: str) -> dict:
+    """A MoE layer under tensor parallelism: its input gathered whole from the sequence shards, the router and the experts
+    run on every tensor-parallel rank alike (replicated, or split by expert parallelism over the dp_shard ranks), and its
+    output cut back to this rank's shard of the sequence. Its gradients are then the same on every tensor-parallel rank."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+    style = PrepareModuleInputOutput(
+        input_layouts=(Shard(1),),
+        desired_input_layouts=(Replicate(),),
+        use_local_input=True,
+        output_layouts=(Replicate(),),
+        desired_output_layouts=(Shard(1),),
+    )
+    return {name: style}

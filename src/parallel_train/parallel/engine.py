@@ -93,6 +93,15 @@ def accumulate(
         with sync(i == len(micro) - 1):
             s = loss_sum(logits_of(forward(x, **kwargs)), y)  # a ModelOutput or a dict: its logits
             term = extra() if extra is not None else None
-            backward(s if term is None else s + term)
+            backward(s if term is None else s + like(s, term))
         total += s.detach().full_tensor() if hasattr(s, "full_tensor") else s.detach()  # loss parallel's is a DTensor
     return total
+
+
+def like(s: torch.Tensor, term: torch.Tensor) -> torch.Tensor:
+    """`term` as a DTensor replicated on the mesh of `s` where `s` is one (loss parallel's loss), so that the two add."""
+    if not hasattr(s, "device_mesh"):
+        return term
+    from torch.distributed.tensor import DTensor, Replicate
+
+    return DTensor.from_local(term, s.device_mesh, [Replicate()] * s.device_mesh.ndim)

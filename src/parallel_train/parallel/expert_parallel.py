@@ -7,6 +7,11 @@ leaves shard those further by their second dim (FSDP of the experts: gathered fo
 reduce-scattered in its backward). Dense parameters (attention, router, embeddings, norms) stay FSDP2-sharded over all
 dp_shard ranks as without EP.
 
+With the other axes: under HSDP the grid is ("dp_replicate", "ep", "edp"), each replica holding every expert (Replicate
+over the replicas, whose gradients are all-reduced); under tensor parallel each MoE layer runs whole on every tp rank
+(models/gpt.py moe_plan), the EP group the dp_shard ranks at its tp coordinate; in pipeline stages each stage's experts
+over its own dp_shard ranks (its balancing loss: parallel/pipeline/balance.py).
+
 Each expert weight is a DTensor (Shard(0) over "ep", Shard(1) over "edp") that FSDP2 is told to leave alone
 (`ignored_params`): checkpoints save it under its canonical name in parts, as FSDP2's own shards, so a run under ep=2
 resumes on one process and the other way round (checkpoint/named_state.py).
@@ -20,8 +25,8 @@ One MoE layer's forward under EP (`ExpertExchange`), between models/moe.py's dis
 
 Gradients: the backward of the all-to-all carries each token's gradient back to its rank, and the expert weights'
 gradients sum every rank's tokens. The engines scale each rank's loss by dp_size (FSDP2 averages the dense gradients
-over the ranks, step.py), so the expert gradients, summed over the ep ranks by the all-to-all and over the edp ranks by
-the reduce-scatter, are divided by dp_shard on the way (`scale_grad`): the same as one process.
+over the ranks, step.py), so the expert gradients, summed over the ep ranks by the all-to-all, over the edp ranks by
+the reduce-scatter (and over HSDP's replicas), are divided by dp_size on the way (`scale_grad`): the same as one process.
 The balancing loss (router_balance.py) is unchanged: each rank counts its own tokens per global expert, all-reduced.
 """
 
@@ -37,13 +42,12 @@ from parallel_train.models.moe import MoE
 EXPERT_WEIGHTS = ("fc", "fc_bias", "proj", "proj_bias", "gate")  # models/moe.py compute's order; gate: the llama flavor's
 
 
-def check_expert_layout(ep: int, dp_replicate: int, dp_shard: int, pp: int, tp: int) -> None:
-    """One line for a mesh expert parallelism is not built for here (every rank decides alike, before any collective)."""
-    if ep > 1 and (dp_shard % ep or dp_replicate != 1 or pp != 1 or tp != 1):
+def check_expert_layout(ep: int, dp_shard: int) -> None:
+    """One line where the EP ranks are not a factor of the FSDP2 ranks (every rank decides alike, before any collective)."""
+    if ep > 1 and dp_shard % ep:
         raise UserError(
-            f"parallel.ep={ep} with parallel.dp_shard={dp_shard}, dp_replicate={dp_replicate}, pipeline_stages={pp}, tp={tp}: "
-            f"expert parallelism runs over the FSDP2 ranks alone; set parallel.dp_shard to a multiple of {ep} (or leave it at "
-            "1: ep fills the world) and dp_replicate, pipeline_stages and tp to 1"
+            f"parallel.ep={ep} with parallel.dp_shard={dp_shard}: expert parallelism runs over the FSDP2 ranks (of each "
+            f"replica); set parallel.dp_shard to a multiple of {ep} (or leave it at 1: ep fills what the other axes leave)"
         )
 
 
@@ -92,33 +96,37 @@ class ExpertExchange:
 
 def local_tensor(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """This rank's experts whole, in the rows' dtype (FSDP2's bf16 policy casts the dense layers only): gathered over
-    the "edp" ranks, whose backward reduce-scatters (sums) their gradients (`grad_placements`: each rank's differ)."""
+    the "edp" ranks, whose backward reduce-scatters (sums) their gradients, and all-reduces them over the HSDP replicas
+    (`grad_placements`: each rank's differ)."""
     from torch.distributed.tensor import Partial, Replicate, Shard
 
     if t is None:
         return None
-    whole = t.redistribute(t.device_mesh, [Shard(0), Replicate()]).to_local(grad_placements=[Shard(0), Partial()])
-    return whole.to(dtype)
+    lead = [Replicate()] * (t.device_mesh.ndim - 2)  # HSDP: the replicas' axis, in front of ("ep", "edp")
+    whole = t.redistribute(t.device_mesh, [*lead, Shard(0), Replicate()])
+    return whole.to_local(grad_placements=[Partial()] * len(lead) + [Shard(0), Partial()]).to(dtype)
 
 
 def shard_experts(model: nn.Module, mesh, ep: int) -> set[nn.Parameter]:
-    """Each MoE layer's expert weights as DTensors sharded by expert over `mesh` (1-D, size ep), its token exchange set;
-    returns those parameters, for FSDP2 to ignore. On the meta device (model_init.py fills this rank's experts later)."""
-    from torch.distributed.tensor import Shard, distribute_tensor
+    """Each MoE layer's expert weights as DTensors sharded by expert over `mesh` (the data-parallel mesh: "dp_shard",
+    or ("dp_replicate", "dp_shard") under HSDP, whose replicas each hold every expert), its token exchange set; returns
+    those parameters, for FSDP2 to ignore. On the meta device (model_init.py fills this rank's experts later)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     if ep == 1 or not layers:
         return set()
-    dp = mesh.size()
-    grid = mesh._unflatten(0, (ep, dp // ep), ("ep", "edp"))  # dp_shard rank = ep rank x edp + edp rank
-    exchange, held = ExpertExchange(grid["ep"].get_group(), ep, dp), set()
+    shard = mesh.size(mesh.ndim - 1)
+    # dp_shard rank = ep rank x edp + edp rank, within each replica
+    grid = mesh._unflatten(mesh.ndim - 1, (ep, shard // ep), ("ep", "edp"))
+    exchange, held = ExpertExchange(grid["ep"].get_group(), ep, mesh.size()), set()
     for m in layers:
         for name in EXPERT_WEIGHTS:
             whole = getattr(m, name)
             if whole is None:
                 continue
             # by expert over "ep", then by the next dim over "edp" (FSDP of the experts; of size 1 when ep = dp_shard)
-            p = nn.Parameter(distribute_tensor(whole, grid, [Shard(0), Shard(1)]))
+            p = nn.Parameter(distribute_tensor(whole, grid, [Replicate()] * (mesh.ndim - 1) + [Shard(0), Shard(1)]))
             setattr(m, name, p)
             held.add(p)
         m.exchange = exchange

@@ -128,8 +128,8 @@ def resolve_layout(cfg: Config, world: int, env: dict[str, str] | None = None) -
     fsdp_launch = env.get("ACCELERATE_USE_FSDP", "").lower() in TRUE
     if fsdp_launch and s == 1 and world % (r * t * pp * cp) == 0:
         s = world // (r * t * pp * cp)  # fsdp.yaml: shard over every process the other axes leave
-    if p.ep > 1 and r == s == t == 1 and world % (pp * cp) == 0:
-        s = world // (pp * cp)  # expert parallelism: its ranks are the FSDP2 ranks, which fill the world
+    if p.ep > 1 and s == 1 and world % (r * t * pp * cp) == 0:
+        s = world // (r * t * pp * cp)  # expert parallelism: its ranks are the FSDP2 ranks, which fill what the others leave
     if r == s == t == 1:
         if world % (pp * cp):
             raise UserError(
@@ -137,7 +137,7 @@ def resolve_layout(cfg: Config, world: int, env: dict[str, str] | None = None) -
                 f"(stages x data-parallel replicas), e.g. torchrun --nproc-per-node {pp} train.py ..."
             )
         r = world // (pp * cp)  # plain data parallelism: replicas fill the world
-    check_expert_layout(p.ep, r, s, pp, t)
+    check_expert_layout(p.ep, s)
     refuse_compositions(cfg, t, pp)
     layout = MeshLayout(dp_replicate=r, dp_shard=s, cp=cp, pp=pp, tp=t, ep=p.ep)
     if layout.world != world:

@@ -30,11 +30,13 @@ from parallel_train.models.moe import MoE
 
 class RouterBalance:
     """`layers`: what keeps each MoE layer's statistics of its last forward in `last` (models/moe.py's MoE, or a
-    RouterTap), with its `n_experts` and `top_k`."""
+    RouterTap), with its `n_experts` and `top_k`. A pipeline stage's (parallel/pipeline/balance.py): `group`, the ranks
+    holding the same layers (`peers` of them); `n_layers`, the whole model's MoE layers, which the loss averages over."""
 
-    def __init__(self, layers: list, coef: float, dp_size: int, device: torch.device):
-        self.layers, self.coef, self.dp_size, self.device = layers, coef, dp_size, device
-        self.world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    def __init__(self, layers: list, coef: float, dp_size: int, device: torch.device, group=None, peers: int = 0, n_layers: int = 0):
+        self.layers, self.coef, self.dp_size, self.device, self.group = layers, coef, dp_size, device, group
+        self.world = peers or (torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1)
+        self.n_layers = n_layers or len(layers)
         self.n_experts = layers[0].n_experts
         self._loss = torch.zeros((), dtype=torch.float64, device=device)  # summed over micro-batches since the last report
         self._counts = torch.zeros(len(layers), self.n_experts, dtype=torch.float64, device=device)
@@ -49,18 +51,18 @@ class RouterBalance:
         counts = torch.stack([c for c, _ in stats]).to(torch.float64)  # (layers, N), this rank's tokens
         sums = torch.stack([s for _, s in stats])  # (layers, N) summed probabilities, with gradient
         both = torch.cat([counts, sums.detach().to(torch.float64)], dim=1)
-        # Summed over every rank; tensor-parallel or pipeline peers would count a batch again (world / dp_size copies).
-        both = all_reduce_small(both, torch.distributed.ReduceOp.SUM, self.device) * (self.dp_size / self.world)
+        # Summed over every rank (or the stage's); tensor-parallel peers count a batch again (world / dp_size copies).
+        both = all_reduce_small(both, torch.distributed.ReduceOp.SUM, self.device, self.group) * (self.dp_size / self.world)
         total, total_sums = both[:, : self.n_experts], both[:, self.n_experts :]
         assignments = total.sum(dim=1, keepdim=True)  # tokens x k, per layer
         tokens = assignments / self.layers[0].top_k
         fraction = total / assignments  # f_i
-        self._loss += (self.n_experts * fraction * total_sums / tokens).sum(dim=1).mean()
+        self._loss += (self.n_experts * fraction * total_sums / tokens).sum() / self.n_layers  # the mean over the layers
         self._counts += total
         self._micro += 1
         if not self.coef:
             return None
-        mine = (self.n_experts * fraction.float() * sums.float() / tokens.float()).sum(dim=1).mean()  # this rank's tokens' part
+        mine = (self.n_experts * fraction.float() * sums.float() / tokens.float()).sum() / self.n_layers  # this rank's tokens' part
         return self.coef * mine * self.dp_size / micro_batches
 
     def extra(self, micro_batches: int, scale: torch.Tensor) -> Callable[[], torch.Tensor | None]:

@@ -201,7 +201,8 @@ def parallelize(
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         options = {"mesh": data_parallel_mesh(mesh, layout), "reshard_after_forward": reshard_after_forward}
-        options["ignored_params"] = shard_experts(model, mesh["dp_shard"], layout.ep) or None  # EP holds them instead
+        dp = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
+        options["ignored_params"] = shard_experts(model, dp, layout.ep) or None  # EP holds them instead
         options["mp_policy"] = mp_policy or MixedPrecisionPolicy()
         for block in fsdp_units(model):
             fully_shard(block, **options)

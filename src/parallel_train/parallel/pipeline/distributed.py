@@ -48,6 +48,7 @@ from parallel_train.models.ties import find_ties
 from parallel_train.parallel.context_parallel import on_mesh
 from parallel_train.parallel.ddp_engine import OptimizerFactory
 from parallel_train.parallel.mesh import MeshLayout, build_device_mesh, mesh_summary, share_line
+from parallel_train.parallel.pipeline.balance import StageBalance
 from parallel_train.parallel.pipeline.cost import measure_units
 from parallel_train.parallel.pipeline.placement import V_SHAPED, forward_through, rank_of_stage, stages_of_rank, stages_per_rank
 from parallel_train.parallel.pipeline.split import describe_stages, plan_stages, stage_module
@@ -190,13 +191,13 @@ class MultiProcessPipelineEngine:
         self.tied = TiedAcrossStages(ties, plan, self.where, layout, rank, self.local)  # creates process groups: every rank
         self.optimizer = make_optimizer(self.local)
         self.params = [q for group in self.optimizer.param_groups for q in group["params"]]
-        self.local_numel = local_numel(self.local)
-        self.model = None  # forward runs through the stage views of self.local (no one module to hook)
+        self.local_numel, self.model = local_numel(self.local), None  # forward runs through the stage views of self.local
         self.recorder, self.clock = Recorder(), Clock([self.device], host=time.time)  # wall clock: comparable across ranks
         self.profile_every = (10 if self.device.type == "cuda" else 1) if cfg.parallel.timeline else 0  # 0: never
         self._steps, self.profiling, self._stamps = 0, False, []
         self.is_first, self.is_last = 0 in self.stage_ids, (S * V - 1) in self.stage_ids
         self.loss_owner = self.is_last and self.tp_rank == 0
+        self.balance = StageBalance.of(model, self.stage_mods, self.stage_ids, self, layout)  # MoE layers' loss (balance.py)
         self._scale, self._sums = torch.ones((), device=self.device), []  # this step's loss scale; its summed losses
         self.schedule = self._make_schedule(self.M, p.schedule, timed=True)
         self.name = self._banner(total, sequence_parallel)
@@ -225,6 +226,8 @@ class MultiProcessPipelineEngine:
         stages = [
             PipelineStage(mod, i, n, self.device, group=self.pp_group) for mod, i in zip(self.stage_mods, self.stage_ids, strict=True)
         ]
+        for stage in stages if self.balance is not None else ():  # the real forwards, not the shapes' inference
+            stage.forward_one_chunk = self.balance.around(stage.forward_one_chunk)
         for stage in stages if timed else ():
             stage.forward_one_chunk = self._timed(stage.forward_one_chunk, "F", stage.stage_index)
             stage.backward_one_chunk = self._timed(stage.backward_one_chunk, "B", stage.stage_index)
