@@ -36,6 +36,7 @@ COMMON = ("data.path=synthetic", "train.max_steps=2", *BARE_RUN)
 GPT = ("model.n_layer=8", "model.n_embd=384", "model.n_head=6", "model.block_size=256", "train.batch_size=8", "model.vocab_size=256")
 TINY_GPT = ("model.n_embd=16", "model.n_head=2")  # put after the model's keys: the same depth, heads and layout
 PIPE = ("parallel.microbatches=4",)
+MOE = ("model.n_experts=4", "model.experts_per_token=2")  # the GPT's MLPs as 4 experts, 2 per token
 # A Hugging Face Llama of about the GPT's size, and a tiny one of the same depth, written with random weights into
 # folders made at run time ({big} and {tiny} below; LoRA adapts pretrained weights, so it reads them).
 LLAMA = dict(hidden_size=384, intermediate_size=1024, num_attention_heads=6, num_key_value_heads=2)
@@ -87,6 +88,13 @@ def _cells() -> dict[str, Cell]:
     cells["lora-fsdp2"] = Cell(2, (*LORA, "parallel.dp_shard=2"), **hf)
     cells["lora-pp2-1f1b"] = Cell(2, (*LORA, *cells["pp2-1f1b"].keys), **hf)
     cells["hf-pp2xtp2-1f1b"] = Cell(4, cells["pp2xtp2-1f1b"].keys, **hf)
+    # context parallel (each rank T/cp of every sequence; FSDP2 over dp_shard x cp), and the GPT's experts over ep ranks
+    cells["cp2"] = Cell(2, ("parallel.cp=2",))
+    cells["cp2xfsdp2"] = Cell(4, ("parallel.cp=2", "parallel.dp_shard=2"))
+    moe = {"model": (*GPT, *MOE), "tiny": TINY_GPT}
+    cells["moe-one"] = Cell(1, (), **moe)
+    cells["ep2"] = Cell(2, ("parallel.ep=2",), **moe)
+    cells["ep2xfsdp2"] = Cell(4, ("parallel.ep=2", "parallel.dp_shard=4"), **moe)
     bert = {"model": CLASSIFIER, "tiny": ("model.hf_path={bert_tiny}",)}
     cells["bert-cls-one"] = Cell(1, (), **bert)
     cells["bert-cls-fsdp2"] = Cell(2, ("parallel.dp_shard=2",), **bert)
@@ -152,8 +160,8 @@ def arguments(cell: Cell, tiny: bool, folders: dict[str, str]) -> list[str]:
     return [k.format(**folders) for k in (*COMMON, *cell.model, *(cell.tiny if tiny else ()), *cell.keys)]
 
 
-def measure(cell: Cell, tiny: bool, out: Path, folders: dict[str, str], launcher=None) -> list[int]:
-    """Each rank's peak bytes over its second step (rank_peak.py). `launcher(nproc, script, args, env)`: how to start
+def measure(cell: Cell, tiny: bool, out: Path, folders: dict[str, str], launcher=None) -> list[dict]:
+    """Each rank's {"peak", "start"} bytes over its second step (rank_peak.py). `launcher(nproc, script, args, env)`: how to start
     it (torchrun by default; the test forks warm ranks)."""
     args = [*arguments(cell, tiny, folders), f"output_dir={out / 'run'}"]
     env = run_env(out, RANK_PEAK_DIR=str(out / "peaks"), HF_HUB_OFFLINE="1")
@@ -166,24 +174,41 @@ def measure(cell: Cell, tiny: bool, out: Path, folders: dict[str, str], launcher
         result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
         if result.returncode != 0:
             sys.exit(f"{' '.join(cmd)} failed:\n{result.stderr[-3000:]}")
-    return [json.loads((out / "peaks" / f"rank{r}.json").read_text())["peak"] for r in range(cell.nproc)]
+    return [json.loads((out / "peaks" / f"rank{r}.json").read_text()) for r in range(cell.nproc)]
 
 
-def estimated(cell: Cell, tiny: bool, folders: dict[str, str]) -> list[int]:
-    """The estimator's total for every global rank (each rank's pipeline rank: its row)."""
+def estimated(cell: Cell, tiny: bool, folders: dict[str, str]) -> list[tuple[int, int]]:
+    """The estimator's (total, step) for every global rank (each rank's pipeline rank: its row); step: the total less
+    what stands before a step (weights and optimizer state), rank_peak.py's peak - start."""
     from parallel_train.config.load import load_config
     from parallel_train.parallel.memory_estimate import estimate_config
 
     cfg, _ = load_config(arguments(cell, tiny, folders))
     layout, ranks, _ = estimate_config(cfg, cell.nproc)
-    return [ranks[layout.coordinate(r)["pp"]].total() for r in range(cell.nproc)]
+    rows = [ranks[layout.coordinate(r)["pp"]] for r in range(cell.nproc)]
+    return [(m.total(), m.total() - m.params - m.optimizer) for m in rows]
 
 
 def run_cell(cell: Cell, tmp: Path, folders: dict[str, str], launcher=None) -> list[dict]:
-    """Per rank: estimated and measured bytes above the tiny model of the same layout."""
+    """Per rank: estimated and measured bytes above the tiny model of the same layout, and the same for what the step
+    added at its peak above what stood before it (`step`, `step_estimated`: activations, scratch, gathered weights)."""
     big, tiny = (measure(cell, t, tmp / ("tiny" if t else "big"), folders, launcher) for t in (False, True))
+    return compare(cell, big, tiny, folders)
+
+
+def compare(cell: Cell, big: list[dict], tiny: list[dict], folders: dict[str, str]) -> list[dict]:
     est_big, est_tiny = estimated(cell, False, folders), estimated(cell, True, folders)
-    return [{"rank": r, "estimated": est_big[r] - est_tiny[r], "measured": big[r] - tiny[r]} for r in range(cell.nproc)]
+    step = lambda m: m["peak"] - m["start"]  # noqa: E731
+    return [
+        {
+            "rank": r,
+            "estimated": est_big[r][0] - est_tiny[r][0],
+            "measured": big[r]["peak"] - tiny[r]["peak"],
+            "step_estimated": est_big[r][1] - est_tiny[r][1],
+            "step": step(big[r]) - step(tiny[r]),
+        }
+        for r in range(cell.nproc)
+    ]
 
 
 def reestimate(log: Path, update: bool) -> None:
@@ -199,7 +224,10 @@ def reestimate(log: Path, update: bool) -> None:
             if name in CELLS and rest.startswith("["):
                 cell, measured = CELLS[name], json.loads(rest)
                 big, tiny = estimated(cell, False, folders), estimated(cell, True, folders)
-                results[name] = [{**r, "estimated": big[r["rank"]] - tiny[r["rank"]]} for r in measured]
+                results[name] = [
+                    {**r, "estimated": big[r["rank"]][0] - tiny[r["rank"]][0], "step_estimated": big[r["rank"]][1] - tiny[r["rank"]][1]}
+                    for r in measured
+                ]
             elif line.startswith("Load"):
                 loads = line
     text = table(results) + f"\n\n{loads}"

@@ -41,6 +41,7 @@ from parallel_train.data.batch import Batch, repeat
 from parallel_train.data.batch import parts as batch_parts
 from parallel_train.models import MODELS
 from parallel_train.parallel.activation_memory import PartBytes, block_names, kept_per_part
+from parallel_train.parallel.exchange_memory import context_part, exchange_bytes, grouped_mm_on_fake
 from parallel_train.parallel.expert_parallel import expert_numel
 from parallel_train.parallel.mesh import MeshLayout, build_device_mesh, resolve_layout
 from parallel_train.parallel.parts import counted_units, fsdp_units
@@ -174,10 +175,12 @@ def _held(cfg: Config, layout: MeshLayout, vocab_size: int, mesh, labels=None) -
         held = sum(local_numel(v) for v in views)
         blocks = [local_numel(u) for u in units]
         gathers = [b - expert_numel(u) for b, u in zip(blocks, units, strict=True)]  # EP holds its experts, never gathered
-        # FSDP2's unsharded copies; over one data-parallel rank only under bf16/fp16's policy (tensor parallel alone), where
-        # torch copies each unit's parameters into a buffer of the policy's dtype
-        copies = layout.dp_shard > 1 or (_fsdp(cfg, layout) and _precision(cfg, layout)[0] is not None)
-        gathered = (2 * max(gathers, default=0) + held - sum(blocks)) * layout.dp_shard if copies else 0
+        # FSDP2's unsharded copies, gathered over its shard ranks (dp_shard x cp: context parallel's ranks shard the
+        # weights too); over one rank only under bf16/fp16's policy (tensor parallel alone), where torch copies each
+        # unit's parameters into a buffer of the policy's dtype
+        shards = layout.dp_shard * layout.cp
+        copies = shards > 1 or (_fsdp(cfg, layout) and _precision(cfg, layout)[0] is not None)
+        gathered = (2 * max(gathers, default=0) + held - sum(blocks)) * shards if copies else 0
         edp = layout.dp_shard // layout.ep  # EP's experts gathered over "edp", each layer's kept until its backward
         gathered += sum(expert_numel(u) for u in units) * edp if edp > 1 and layout.ep > 1 else 0
         # a part's gradient bytes, for one step without accumulation (a pipeline's gradients all stand: not needed)
@@ -201,8 +204,8 @@ def _activations(cfg: Config, layout: MeshLayout, vocab_size: int, mesh, sample,
     with torch.device("meta"):
         model = build_shapes(model_cfg, vocab_size, labels)
     policy, autocast = _precision(cfg, layout)
-    blocks = block_names(model)
-    cut = MeshLayout(dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp)
+    blocks, units = block_names(model), counted_units(model)  # by name, before fully_shard renames the blocks' classes
+    cut = MeshLayout(dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, cp=layout.cp, tp=layout.tp)
     plan = _stage_plan(cfg, model, layout)
     views = [stage_module(model, names) for names in plan] if layout.pp > 1 else [model]
     # The engines' decision, on the whole model (parallel/mesh_engine.py, pipeline/distributed.py)
@@ -216,19 +219,21 @@ def _activations(cfg: Config, layout: MeshLayout, vocab_size: int, mesh, sample,
     # The batch's other inputs (a packed batch's positions, a dict batch's attention_mask, ...) go to every stage, as
     # the engines hand them (data/batch.py)
     x, y, rest = batch_parts(repeat(sample, micro))
+    if layout.cp > 1:
+        x, y, rest = context_part(model, mesh, layout.cp, x, y, rest)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         for view in views:  # a pipeline's stages one after the other, as the micro-batch goes through them
             x = view(x, **rest)
         return x
 
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with FakeTensorMode(allow_non_fake_inputs=True), grouped_mm_on_fake():
         model.to_empty(device="cpu")
         # a pipeline's last stage holds each in-flight micro-batch's output (the logits) until its backward; what a
         # stage makes before its first part runs is that stage's
         stages = tuple((view, names[0]) for view, names in zip(views, plan, strict=True)) if layout.pp > 1 else ()
         return kept_per_part(
-            model.train(), forward, x, y, autocast, loss_context(logits_cut), blocks, keep_output=layout.pp > 1, stages=stages
+            model.train(), forward, x, y, autocast, loss_context(logits_cut), blocks, keep_output=layout.pp > 1, stages=stages, units=units
         )
 
 
@@ -289,12 +294,13 @@ def _receive_buffers(cfg: Config, layout: MeshLayout, ids: list[int], plan, plai
 
 
 def estimate(
-    cfg: Config, world: int, vocab_size: int, sample: Batch, labels: list[str] | None = None
+    cfg: Config, world: int, vocab_size: int, sample: Batch, labels: list[str] | None = None, layout: MeshLayout | None = None
 ) -> tuple[MeshLayout, list[RankMemory]]:
     """Memory of each pipeline rank (its data-parallel and tensor-parallel peers hold the same, up to the
     rounding of uneven slices: rank 0's slice is the largest). `sample`: one unbatched sample as the data gives it, a
-    tuple or a dict of named tensors, at its widest (data/batch.py widest_sample); `labels`: a task's class names."""
-    layout = resolve_layout(cfg, world, env={})
+    tuple or a dict of named tensors, at its widest (data/batch.py widest_sample); `labels`: a task's class names.
+    `layout`: the mesh as given, not resolved from the keys (a layout the run does not take yet: a published row's)."""
+    layout = layout or resolve_layout(cfg, world, env={})
     with fake_world(world):
         mesh = build_device_mesh(layout, "cpu")
         plan, held = _held(cfg, layout, vocab_size, mesh, labels)
@@ -307,6 +313,7 @@ def estimate(
     policy, _ = _precision(cfg, layout)
     param_bytes = 2 if policy is not None else 4  # FSDP2 gathers (and computes with) bf16/fp16 copies under its policy
     optimizer_states = 2 if cfg.train.optimizer == "adamw" else 0
+    exchange = exchange_bytes(cfg.model, layout, plain)
     ranks = []
     for r, (ids, numel, trainable, gathered, part_grads) in enumerate(held):
         mine = [n for i in ids for n in plan[i]] + (["loss"] if len(plan) - 1 in ids else [])
@@ -329,7 +336,8 @@ def estimate(
                 grads,
                 4 * optimizer_states * trainable,
                 buffers,
-                2 * max((plain.largest.get(n, 0) for n in mine), default=0),  # backward reruns a checkpointed block whole
+                # backward reruns a checkpointed block whole; an all-to-all's buffers (cp, ep) at a time instead
+                max(2 * max((plain.largest.get(n, 0) for n in mine), default=0), exchange),
                 acts,
                 ckpt,
                 accumulating=accumulating,

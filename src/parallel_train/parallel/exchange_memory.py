@@ -1,0 +1,78 @@
+"""Context and expert parallelism in the memory estimate (parallel/memory_estimate.py), and a Hub mixture of experts
+on its fake tensors.
+
+- Context parallel (parallel/context_parallel.py): the estimate's forward takes rank 0's part of every sequence, as
+  the mesh engine cuts the batch, through the model's own all-to-all exchange where it has one (Ulysses).
+- The all-to-all buffers of one layer at a time (context parallel's q, k, v and output; expert parallel's dispatched
+  rows): transient, beside backward's other scratch.
+- transformers' experts run torch's grouped matmul, whose meta kernel (torch 2.13) takes BF16 only while its CPU
+  kernel runs fp32 too: on fake tensors they take transformers' own fallback, which saves what it saves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from parallel_train.parallel.activation_memory import PartBytes
+from parallel_train.parallel.mesh import MeshLayout
+
+
+def context_part(model: nn.Module, mesh, cp: int, x: torch.Tensor, y: torch.Tensor, rest: dict):
+    """Context parallel: rank 0's part of every sequence, as the mesh engine cuts the batch (inputs, targets and any
+    other (B, T, ...) input), and the model's attention through its all-to-all exchange where it has one
+    (`use_context_parallel`, parallel/context_parallel.py: run on the fake process group, shapes only). A model
+    without one runs its T/cp tokens with plain causal attention: what Ulysses keeps is the same bytes (q, k, v and
+    the output whole-sequence for heads/cp, where the plain forward keeps them for T/cp and every head)."""
+    from parallel_train.parallel.context_parallel import ContextParallel
+
+    part = ContextParallel(mesh["cp"].get_group(), 0, cp)
+    if hasattr(model, "use_context_parallel"):
+        model.use_context_parallel(part)
+    length = x.size(1)
+    cut = lambda t: part.cut(t) if torch.is_tensor(t) and t.dim() > 1 and t.size(1) == length else t  # noqa: E731
+    return cut(x), cut(y), {k: cut(v) for k, v in rest.items()}
+
+
+def exchange_bytes(model_cfg, layout: MeshLayout, plain: PartBytes) -> int:
+    """The all-to-all buffers of one layer at a time, a copy sent and a copy received of each exchanged tensor: context
+    parallel's q, k, v and output of the largest attention (whole sequence for heads/cp: the bytes of this rank's part
+    for every head), expert parallel's dispatched rows (k per token, each a block input's row: k x a block's input),
+    measured on the forward. The larger where both; transient, like backward's scratch."""
+    cp = 2 * plain.attention if layout.cp > 1 else 0
+    top_k = getattr(model_cfg, "experts_per_token", 0) if getattr(model_cfg, "n_experts", 0) else hub_top_k(model_cfg)
+    ep = 2 * top_k * max((plain.inputs.get(n, 0) for n in plain.blocks), default=0) if layout.ep > 1 else 0
+    return max(cp, ep)
+
+
+def hub_top_k(model_cfg) -> int:
+    """Experts each token is routed to in a Hub mixture of experts (its config.json; 0 for a dense or template model)."""
+    if getattr(model_cfg, "name", "") != "hf":
+        return 0
+    from transformers import AutoConfig
+
+    from parallel_train.models.hf_moe import experts_and_top_k
+
+    counts = experts_and_top_k(AutoConfig.from_pretrained(model_cfg.hf_path))
+    return counts[1] if counts else 0
+
+
+@contextlib.contextmanager
+def grouped_mm_on_fake():
+    """transformers' experts (`integrations/moe.py`) on fake tensors: torch 2.13's meta kernel for `aten._grouped_mm`
+    refuses fp32 ("Expected inputs of BF16 type") where its CPU kernel, which a run uses, takes it. transformers' own
+    fallback (`transformers::grouped_mm_fallback`, a custom op with a fake kernel) saves the same input and weights for
+    backward and returns the same shape, so the estimate asks for it while its forward runs."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:  # a transformers without grouped experts: nothing to redirect
+        yield
+        return
+    original = moe._can_use_grouped_mm
+    moe._can_use_grouped_mm = lambda *args: False
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = original
