@@ -95,6 +95,8 @@ def _cells() -> dict[str, Cell]:
     cells["moe-one"] = Cell(1, (), **moe)
     cells["ep2"] = Cell(2, ("parallel.ep=2",), **moe)
     cells["ep2xfsdp2"] = Cell(4, ("parallel.ep=2", "parallel.dp_shard=4"), **moe)
+    cells["ep2xfsdp2-full"] = Cell(4, (*cells["ep2xfsdp2"].keys, "model.activation_checkpointing=full"), **moe)
+    cells["cp2-full"] = Cell(2, ("parallel.cp=2", "model.activation_checkpointing=full"))
     bert = {"model": CLASSIFIER, "tiny": ("model.hf_path={bert_tiny}",)}
     cells["bert-cls-one"] = Cell(1, (), **bert)
     cells["bert-cls-fsdp2"] = Cell(2, ("parallel.dp_shard=2",), **bert)

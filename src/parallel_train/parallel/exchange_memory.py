@@ -3,6 +3,8 @@ on its fake tensors.
 
 - Context parallel (parallel/context_parallel.py): the estimate's forward takes rank 0's part of every sequence, as
   the mesh engine cuts the batch, through the model's own all-to-all exchange where it has one (Ulysses).
+- Expert parallel's experts, gathered whole in each block's forward over the ranks EP leaves, kept until the block's
+  backward (measured so, checkpointed blocks included; their recomputation gathers them once more).
 - The all-to-all buffers of one layer at a time (context parallel's q, k, v and output; expert parallel's dispatched
   rows): transient, beside backward's other scratch.
 - transformers' experts run torch's grouped matmul, whose meta kernel (torch 2.13) takes BF16 only while its CPU
@@ -12,6 +14,7 @@ on its fake tensors.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 from torch import nn
@@ -57,6 +60,29 @@ def hub_top_k(model_cfg) -> int:
 
     counts = experts_and_top_k(AutoConfig.from_pretrained(model_cfg.hf_path))
     return counts[1] if counts else 0
+
+
+def expert_copies(experts: dict[str, int], layout: MeshLayout, dtype_bytes: int) -> dict[str, int]:
+    """Bytes of the experts each block gathers whole for its forward under expert parallelism (its `experts`: local
+    elements by part): over the "edp" ranks EP leaves, cast to the rows' dtype (parallel/expert_parallel.py
+    local_tensor). A copy only where either makes one: fp32 experts on ep = dp_shard are the parameters themselves."""
+    edp = layout.dp_shard // layout.ep
+    if layout.ep == 1 or (edp == 1 and dtype_bytes == 4):
+        return {}
+    return {name: n * edp * dtype_bytes for name, n in experts.items() if n}
+
+
+def with_experts(kept: PartBytes, plain: PartBytes, copies: dict[str, int]) -> tuple[PartBytes, PartBytes]:
+    """`kept` and `plain` (the forward without checkpointing, what backward recomputes from) with each block's gathered
+    experts (`copies`): held until the block's backward whatever the checkpointing, and gathered once more when
+    backward recomputes a checkpointed block (one that keeps less than `plain`). Measured so: the cell ep2xfsdp2-full of
+    scripts/bench/memory_matrix.py ran at 0.82 of its measured peak when a checkpointed block was counted as freeing
+    them after its forward."""
+    if not copies:
+        return kept, plain
+    again = {n: b for n, b in copies.items() if kept.kept.get(n, 0) < plain.kept.get(n, 0)}  # recomputed: a second copy
+    add = lambda part, extra: {n: b + copies.get(n, 0) + extra.get(n, 0) for n, b in part.kept.items()}  # noqa: E731
+    return dataclasses.replace(kept, kept=add(kept, {})), dataclasses.replace(plain, kept=add(plain, again))
 
 
 @contextlib.contextmanager

@@ -41,7 +41,7 @@ from parallel_train.data.batch import Batch, repeat
 from parallel_train.data.batch import parts as batch_parts
 from parallel_train.models import MODELS
 from parallel_train.parallel.activation_memory import PartBytes, block_names, kept_per_part
-from parallel_train.parallel.exchange_memory import context_part, exchange_bytes, grouped_mm_on_fake
+from parallel_train.parallel.exchange_memory import context_part, exchange_bytes, expert_copies, grouped_mm_on_fake, with_experts
 from parallel_train.parallel.expert_parallel import expert_numel
 from parallel_train.parallel.mesh import MeshLayout, build_device_mesh, resolve_layout
 from parallel_train.parallel.parts import counted_units, fsdp_units
@@ -181,12 +181,11 @@ def _held(cfg: Config, layout: MeshLayout, vocab_size: int, mesh, labels=None) -
         shards = layout.dp_shard * layout.cp
         copies = shards > 1 or (_fsdp(cfg, layout) and _precision(cfg, layout)[0] is not None)
         gathered = (2 * max(gathers, default=0) + held - sum(blocks)) * shards if copies else 0
-        edp = layout.dp_shard // layout.ep  # EP's experts gathered over "edp", each layer's kept until its backward
-        gathered += sum(expert_numel(u) for u in units) * edp if edp > 1 and layout.ep > 1 else 0
         # a part's gradient bytes, for one step without accumulation (a pipeline's gradients all stand: not needed)
         units_by_name = counted_units(model).items() if layout.pp == 1 else ()  # the root (a task's head) has its blocks' too: left out
         part_grads = {name: 4 * local_numel(m, trainable=True) for name, m in units_by_name if m is not model}
-        out.append((ids, held, sum(local_numel(v, trainable=True) for v in views), gathered, part_grads))
+        experts = {name: expert_numel(m) for name, m in counted_units(model).items() if m is not model}  # EP: each block's
+        out.append((ids, held, sum(local_numel(v, trainable=True) for v in views), gathered, part_grads, experts))
     return plan, out
 
 
@@ -315,18 +314,22 @@ def estimate(
     optimizer_states = 2 if cfg.train.optimizer == "adamw" else 0
     exchange = exchange_bytes(cfg.model, layout, plain)
     ranks = []
-    for r, (ids, numel, trainable, gathered, part_grads) in enumerate(held):
+    for r, (ids, numel, trainable, gathered, part_grads, experts) in enumerate(held):
         mine = [n for i in ids for n in plan[i]] + (["loss"] if len(plan) - 1 in ids else [])
+        copies = expert_copies(experts, layout, param_bytes)
+        run_r, plain_r = with_experts(run, plain, copies)
+        full_r, plain_f = with_experts(measured["full"], plain, copies) if "full" in measured else (None, None)
         grads, buffers = 4 * trainable, gathered * param_bytes  # frozen weights (LoRA's base) have neither gradients nor state
         if layout.pp > 1 and _fsdp(cfg, layout):
             # An FSDP2 stage stays unsharded between micro-batches (reshard_after_forward=False; PipelineStage's
             # set_reshard_after_backward(False), no gradient sync until the last one): its whole parameters in the policy's dtype, and its whole gradients
             # accumulated in fp32 until the reduce-scatter after the last backward.
-            grads, buffers = 4 * trainable * layout.dp_shard, param_bytes * numel * layout.dp_shard
+            shards = layout.dp_shard * layout.cp
+            grads, buffers = 4 * trainable * shards, param_bytes * numel * shards
         accumulating = cfg.train.gradient_accumulation_steps > 1 or layout.pp > 1
         beside = {} if accumulating else part_grads  # gradients made before a block's recomputation (else all counted)
-        acts = _rank_activations(cfg, layout, r, ids, plan, run, plain, grads, beside)
-        ckpt = _rank_activations(cfg, layout, r, ids, plan, measured["full"], plain, grads, beside) if "full" in measured else None
+        acts = _rank_activations(cfg, layout, r, ids, plan, run_r, plain_r, grads, beside)
+        ckpt = _rank_activations(cfg, layout, r, ids, plan, full_r, plain_f, grads, beside) if full_r else None
         ranks.append(
             RankMemory(
                 r,
@@ -341,7 +344,7 @@ def estimate(
                 acts,
                 ckpt,
                 accumulating=accumulating,
-                breakdown={n: run.kept.get(n, 0) for n in mine},
+                breakdown={n: run_r.kept.get(n, 0) for n in mine},
                 stage_buffers=_receive_buffers(cfg, layout, ids, plan, plain),
             )
         )
