@@ -47,6 +47,11 @@ LORA = ("model.lora_rank=8", "model.lora_targets=[all-linear]")
 # sentence-pair classifier as configs/nlp_example.yaml trains it, every pair padded to the block.
 BERT = dict(hidden_size=384, intermediate_size=1024, num_attention_heads=6)
 TINY_BERT = dict(hidden_size=24, intermediate_size=32, num_attention_heads=6)
+# A Hub mixture of experts from its config alone (random start): Qwen3-MoE, 4 experts of 512, 2 per token.
+QWEN_MOE = dict(hidden_size=384, intermediate_size=1024, moe_intermediate_size=512, num_attention_heads=6, head_dim=64)
+TINY_QWEN_MOE = dict(hidden_size=24, intermediate_size=32, moe_intermediate_size=32, num_attention_heads=6, head_dim=4)
+HF_MOE = ("model.name=hf", "model.hf_path={moe}", "model.hf_pretrained=false", "model.block_size=256", "train.batch_size=8")
+HF_MOE += ("model.vocab_size=256",)
 CLASSIFIER = ("model.name=hf", "model.task=sequence-classification", "model.hf_path={bert}", "model.hf_pretrained=false")
 CLASSIFIER += ("model.block_size=256", "train.batch_size=8", "data.path={pairs}")
 
@@ -97,6 +102,9 @@ def _cells() -> dict[str, Cell]:
     cells["ep2xfsdp2"] = Cell(4, ("parallel.ep=2", "parallel.dp_shard=4"), **moe)
     cells["ep2xfsdp2-full"] = Cell(4, (*cells["ep2xfsdp2"].keys, "model.activation_checkpointing=full"), **moe)
     cells["cp2-full"] = Cell(2, ("parallel.cp=2", "model.activation_checkpointing=full"))
+    hf_moe = {"model": HF_MOE, "tiny": ("model.hf_path={moe_tiny}",)}
+    cells["hf-moe-one"] = Cell(1, (), **hf_moe)
+    cells["hf-moe-fsdp2"] = Cell(2, ("parallel.dp_shard=2",), **hf_moe)
     bert = {"model": CLASSIFIER, "tiny": ("model.hf_path={bert_tiny}",)}
     cells["bert-cls-one"] = Cell(1, (), **bert)
     cells["bert-cls-fsdp2"] = Cell(2, ("parallel.dp_shard=2",), **bert)
@@ -112,9 +120,9 @@ def write_folders(root: Path, names) -> dict[str, str]:
 
 
 def write_models(root: Path) -> dict[str, str]:
-    """The Hugging Face cells' folders: two Llamas (save_pretrained, random weights) {"big", "tiny"}, two BERT
-    classifiers (config and tokenizer: they start from random weights) {"bert", "bert_tiny"}, and the classifier's
-    sentence pairs {"pairs"}."""
+    """The Hugging Face cells' folders: two Llamas (save_pretrained, random weights) {"big", "tiny"}, two Qwen3-MoE
+    configs {"moe", "moe_tiny"} and two BERT classifiers (config and tokenizer) {"bert", "bert_tiny"}, which start from
+    random weights, and the classifier's sentence pairs {"pairs"}."""
     import torch
     from datasets import Dataset
     from transformers import BertConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -124,6 +132,13 @@ def write_models(root: Path) -> dict[str, str]:
         config = LlamaConfig(vocab_size=256, num_hidden_layers=8, max_position_embeddings=512, tie_word_embeddings=False, **shape)
         torch.manual_seed(0)
         LlamaForCausalLM(config).save_pretrained(root / name)
+        folders[name] = str(root / name)
+    from transformers import Qwen3MoeConfig
+
+    for name, shape in (("moe", QWEN_MOE), ("moe_tiny", TINY_QWEN_MOE)):
+        Qwen3MoeConfig(
+            vocab_size=256, num_hidden_layers=8, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, **shape
+        ).save_pretrained(root / name)
         folders[name] = str(root / name)
     words = [f"w{i}" for i in range(200)]
     special = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]", "mask_token": "[MASK]"}

@@ -45,9 +45,10 @@ def exchange_bytes(model_cfg, layout: MeshLayout, plain: PartBytes) -> int:
     for every head), expert parallel's dispatched rows (k per token, each a block input's row: k x a block's input),
     measured on the forward. The larger where both; transient, like backward's scratch."""
     cp = 2 * plain.attention if layout.cp > 1 else 0
+    if layout.ep == 1:
+        return cp
     top_k = getattr(model_cfg, "experts_per_token", 0) if getattr(model_cfg, "n_experts", 0) else hub_top_k(model_cfg)
-    ep = 2 * top_k * max((plain.inputs.get(n, 0) for n in plain.blocks), default=0) if layout.ep > 1 else 0
-    return max(cp, ep)
+    return max(cp, 2 * top_k * max((plain.inputs.get(n, 0) for n in plain.blocks), default=0))
 
 
 def hub_top_k(model_cfg) -> int:
