@@ -1,5 +1,5 @@
-"""Context and expert parallelism in the memory estimate (parallel/memory_estimate.py), and a Hub mixture of experts
-on its fake tensors.
+"""Context and expert parallelism in the memory estimate (parallel/memory_estimate.py), and Hub models (a mixture of
+experts among them) on its fake tensors.
 
 - Context parallel (parallel/context_parallel.py): the estimate's forward takes rank 0's part of every sequence, as
   the mesh engine cuts the batch, through the model's own all-to-all exchange where it has one (Ulysses).
@@ -7,8 +7,8 @@ on its fake tensors.
   backward (measured so, checkpointed blocks included; their recomputation gathers them once more).
 - The all-to-all buffers of one layer at a time (context parallel's q, k, v and output; expert parallel's dispatched
   rows): transient, beside backward's other scratch.
-- transformers' experts run torch's grouped matmul, whose meta kernel (torch 2.13) takes BF16 only while its CPU
-  kernel runs fp32 too: on fake tensors they take transformers' own fallback, which saves what it saves.
+- transformers on fake tensors: its experts through its own grouped-matmul fallback (torch 2.13's meta kernel takes
+  BF16 only, its CPU kernel fp32 too), and no attention mask for a batch that is not packed, as in a run.
 """
 
 from __future__ import annotations
@@ -87,19 +87,30 @@ def with_experts(kept: PartBytes, plain: PartBytes, copies: dict[str, int]) -> t
 
 
 @contextlib.contextmanager
-def grouped_mm_on_fake():
-    """transformers' experts (`integrations/moe.py`) on fake tensors: torch 2.13's meta kernel for `aten._grouped_mm`
-    refuses fp32 ("Expected inputs of BF16 type") where its CPU kernel, which a run uses, takes it. transformers' own
-    fallback (`transformers::grouped_mm_fallback`, a custom op with a fake kernel) saves the same input and weights for
-    backward and returns the same shape, so the estimate asks for it while its forward runs."""
-    try:
+def transformers_on_fake(packed: bool):
+    """transformers' code on the estimate's fake tensors, made to take the path it takes on a run's real ones:
+    - its experts (`integrations/moe.py`): torch 2.13's meta kernel for `aten._grouped_mm` refuses fp32 ("Expected
+      inputs of BF16 type") where its CPU kernel, which a run uses, takes it. transformers' own fallback
+      (`transformers::grouped_mm_fallback`, a custom op with a fake kernel) saves the same input and weights for
+      backward and returns the same shape (the same bytes kept, checked on real tensors);
+    - a batch that is not `packed`: given position ids 0..T-1, `find_packed_sequence_indices` cannot read fake values
+      to find there is no packing, so a model that builds its own masks (no known layout: Qwen3-MoE) made a (B, 1,
+      T, T) mask a run never has (hf_layouts.py spares the decoders it knows the same way); it is told what it finds
+      in a run, None."""
+    patches = []
+    with contextlib.suppress(ImportError):  # a transformers without grouped experts: nothing to redirect
         from transformers.integrations import moe
-    except ImportError:  # a transformers without grouped experts: nothing to redirect
-        yield
-        return
-    original = moe._can_use_grouped_mm
-    moe._can_use_grouped_mm = lambda *args: False
+
+        patches.append((moe, "_can_use_grouped_mm", lambda *args: False))
+    if not packed:
+        from transformers import masking_utils
+
+        patches.append((masking_utils, "find_packed_sequence_indices", lambda position_ids: None))
+    originals = [(module, name, getattr(module, name)) for module, name, _ in patches]
+    for module, name, replacement in patches:
+        setattr(module, name, replacement)
     try:
         yield
     finally:
-        moe._can_use_grouped_mm = original
+        for module, name, original in originals:
+            setattr(module, name, original)

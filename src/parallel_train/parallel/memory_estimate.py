@@ -41,7 +41,7 @@ from parallel_train.data.batch import Batch, repeat
 from parallel_train.data.batch import parts as batch_parts
 from parallel_train.models import MODELS
 from parallel_train.parallel.activation_memory import PartBytes, block_names, kept_per_part
-from parallel_train.parallel.exchange_memory import context_part, exchange_bytes, expert_copies, grouped_mm_on_fake, with_experts
+from parallel_train.parallel.exchange_memory import context_part, exchange_bytes, expert_copies, transformers_on_fake, with_experts
 from parallel_train.parallel.expert_parallel import expert_numel
 from parallel_train.parallel.mesh import MeshLayout, build_device_mesh, resolve_layout
 from parallel_train.parallel.parts import counted_units, fsdp_units
@@ -226,7 +226,7 @@ def _activations(cfg: Config, layout: MeshLayout, vocab_size: int, mesh, sample,
             x = view(x, **rest)
         return x
 
-    with FakeTensorMode(allow_non_fake_inputs=True), grouped_mm_on_fake():
+    with FakeTensorMode(allow_non_fake_inputs=True), transformers_on_fake(packed="positions" in rest):
         model.to_empty(device="cpu")
         # a pipeline's last stage holds each in-flight micro-batch's output (the logits) until its backward; what a
         # stage makes before its first part runs is that stage's
