@@ -12,7 +12,9 @@ selective op or every N-th block), in the engine's precision (FSDP2's bf16 polic
 data-parallel rank too: bf16 activations; autocast in one process and DDP: an fp32 residual stream beside bf16 copies). A forward without checkpointing gives what backward
 recomputes, one checkpointed block at a time, and a forward with model.activation_checkpointing=full the
 "checkpointed" column: each mode measured once, and one formula turns each into its figure, so a run whose own mode
-is full gets the same number in both.
+is full gets the same number in both. Context parallel: rank 0's T/cp of every sequence, through the model's own
+all-to-all; expert parallel: each block's experts gathered whole and kept to its backward; one layer's all-to-all
+buffers as scratch (parallel/exchange_memory.py).
 
 What the figures assume, stated: fp32 parameters, gradients and optimizer state (AdamW: two moments per parameter,
 SGD none), gradients and state only for the parameters that train (LoRA: the adapters); FSDP2 gathers copies in its policy's dtype: two blocks at a time (one computing, one prefetched) plus the
