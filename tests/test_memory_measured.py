@@ -66,14 +66,37 @@ def test_estimate_is_within_ten_percent_of_each_ranks_measured_peak(tmp_path, ce
         "tp2-bf16",
         "pp2-1f1b-bf16",
         "bert-cls-fsdp2",
+        "cp2",
+        "cp2xfsdp2",
+        "cp2-full",
+        "ep2",
+        "ep2xfsdp2",
+        "ep2xfsdp2-full",
+        "hf-moe-fsdp2",
     ],
 )
 def test_more_layouts_are_within_ten_percent(tmp_path, cell_id):
     """The rest of the table's kinds: full checkpointing, DDP, FSDP2, tensor parallel, DP x TP, 4-stage pipelines, TP inside
     pipeline stages (sequence and loss parallel there; GPT and a Hub Llama), LoRA, bf16 through the layers of tensor
-    parallel and of pipeline stages (FSDP2's policy over one data-parallel rank), a BERT classifier on dict batches under FSDP2;
+    parallel and of pipeline stages (FSDP2's policy over one data-parallel rank), a BERT classifier on dict batches under FSDP2,
+    context parallel (cp=2, cp=2 x dp_shard=2, cp=2 fully checkpointed), the GPT's experts under expert parallel (ep=2;
+    ep=2 x edp 2 over 4 processes, also fully checkpointed), a Hub Qwen3-MoE under FSDP2;
     on the table's own models (the small one leaves a 4-stage rank a few MB, within the measurement's noise, and has
     too few layers for 4 ranks of two stages)."""
     folders = memory_matrix.write_folders(tmp_path / "models", [cell_id])
     got = ratios(tmp_path, cell_id, folders, small=False)
     assert all(0.9 <= x <= 1.1 for x in got), (cell_id, got)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_context_parallel_halves_rank_0s_activation_peak(tmp_path):
+    """parallel.cp=2: what rank 0's step adds at its peak above the weights and optimizer state (activations, scratch,
+    FSDP2's gathered blocks; rank_peak.py's peak - start, less the tiny model's) is about half of one process's at the
+    same sequence length (a little more: FSDP2's gathered weights, which one process has not), and the estimator's
+    figure for it is within 0.9-1.1 of each."""
+    one, cp = (
+        memory_matrix.run_cell(replace(memory_matrix.CELLS[c], model=SMALL), tmp_path / c, {}, warm(tmp_path)) for c in ("one", "cp2")
+    )
+    assert 0.45 <= cp[0]["step"] / one[0]["step"] <= 0.65, (cp[0], one[0])
+    assert all(0.9 <= r["step_estimated"] / r["step"] <= 1.1 for r in (*one, *cp)), (one, cp)

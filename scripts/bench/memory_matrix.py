@@ -36,6 +36,7 @@ COMMON = ("data.path=synthetic", "train.max_steps=2", *BARE_RUN)
 GPT = ("model.n_layer=8", "model.n_embd=384", "model.n_head=6", "model.block_size=256", "train.batch_size=8", "model.vocab_size=256")
 TINY_GPT = ("model.n_embd=16", "model.n_head=2")  # put after the model's keys: the same depth, heads and layout
 PIPE = ("parallel.microbatches=4",)
+MOE = ("model.n_experts=4", "model.experts_per_token=2")  # the GPT's MLPs as 4 experts, 2 per token
 # A Hugging Face Llama of about the GPT's size, and a tiny one of the same depth, written with random weights into
 # folders made at run time ({big} and {tiny} below; LoRA adapts pretrained weights, so it reads them).
 LLAMA = dict(hidden_size=384, intermediate_size=1024, num_attention_heads=6, num_key_value_heads=2)
@@ -46,6 +47,11 @@ LORA = ("model.lora_rank=8", "model.lora_targets=[all-linear]")
 # sentence-pair classifier as configs/nlp_example.yaml trains it, every pair padded to the block.
 BERT = dict(hidden_size=384, intermediate_size=1024, num_attention_heads=6)
 TINY_BERT = dict(hidden_size=24, intermediate_size=32, num_attention_heads=6)
+# A Hub mixture of experts from its config alone (random start): Qwen3-MoE, 4 experts of 512, 2 per token.
+QWEN_MOE = dict(hidden_size=384, intermediate_size=1024, moe_intermediate_size=512, num_attention_heads=6, head_dim=64)
+TINY_QWEN_MOE = dict(hidden_size=24, intermediate_size=32, moe_intermediate_size=32, num_attention_heads=6, head_dim=4)
+HF_MOE = ("model.name=hf", "model.hf_path={moe}", "model.hf_pretrained=false", "model.block_size=256", "train.batch_size=8")
+HF_MOE += ("model.vocab_size=256",)
 CLASSIFIER = ("model.name=hf", "model.task=sequence-classification", "model.hf_path={bert}", "model.hf_pretrained=false")
 CLASSIFIER += ("model.block_size=256", "train.batch_size=8", "data.path={pairs}")
 
@@ -87,6 +93,18 @@ def _cells() -> dict[str, Cell]:
     cells["lora-fsdp2"] = Cell(2, (*LORA, "parallel.dp_shard=2"), **hf)
     cells["lora-pp2-1f1b"] = Cell(2, (*LORA, *cells["pp2-1f1b"].keys), **hf)
     cells["hf-pp2xtp2-1f1b"] = Cell(4, cells["pp2xtp2-1f1b"].keys, **hf)
+    # context parallel (each rank T/cp of every sequence; FSDP2 over dp_shard x cp), and the GPT's experts over ep ranks
+    cells["cp2"] = Cell(2, ("parallel.cp=2",))
+    cells["cp2xfsdp2"] = Cell(4, ("parallel.cp=2", "parallel.dp_shard=2"))
+    moe = {"model": (*GPT, *MOE), "tiny": TINY_GPT}
+    cells["moe-one"] = Cell(1, (), **moe)
+    cells["ep2"] = Cell(2, ("parallel.ep=2",), **moe)
+    cells["ep2xfsdp2"] = Cell(4, ("parallel.ep=2", "parallel.dp_shard=4"), **moe)
+    cells["ep2xfsdp2-full"] = Cell(4, (*cells["ep2xfsdp2"].keys, "model.activation_checkpointing=full"), **moe)
+    cells["cp2-full"] = Cell(2, ("parallel.cp=2", "model.activation_checkpointing=full"))
+    hf_moe = {"model": HF_MOE, "tiny": ("model.hf_path={moe_tiny}",)}
+    cells["hf-moe-one"] = Cell(1, (), **hf_moe)
+    cells["hf-moe-fsdp2"] = Cell(2, ("parallel.dp_shard=2",), **hf_moe)
     bert = {"model": CLASSIFIER, "tiny": ("model.hf_path={bert_tiny}",)}
     cells["bert-cls-one"] = Cell(1, (), **bert)
     cells["bert-cls-fsdp2"] = Cell(2, ("parallel.dp_shard=2",), **bert)
@@ -102,9 +120,9 @@ def write_folders(root: Path, names) -> dict[str, str]:
 
 
 def write_models(root: Path) -> dict[str, str]:
-    """The Hugging Face cells' folders: two Llamas (save_pretrained, random weights) {"big", "tiny"}, two BERT
-    classifiers (config and tokenizer: they start from random weights) {"bert", "bert_tiny"}, and the classifier's
-    sentence pairs {"pairs"}."""
+    """The Hugging Face cells' folders: two Llamas (save_pretrained, random weights) {"big", "tiny"}, two Qwen3-MoE
+    configs {"moe", "moe_tiny"} and two BERT classifiers (config and tokenizer) {"bert", "bert_tiny"}, which start from
+    random weights, and the classifier's sentence pairs {"pairs"}."""
     import torch
     from datasets import Dataset
     from transformers import BertConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -114,6 +132,13 @@ def write_models(root: Path) -> dict[str, str]:
         config = LlamaConfig(vocab_size=256, num_hidden_layers=8, max_position_embeddings=512, tie_word_embeddings=False, **shape)
         torch.manual_seed(0)
         LlamaForCausalLM(config).save_pretrained(root / name)
+        folders[name] = str(root / name)
+    from transformers import Qwen3MoeConfig
+
+    for name, shape in (("moe", QWEN_MOE), ("moe_tiny", TINY_QWEN_MOE)):
+        Qwen3MoeConfig(
+            vocab_size=256, num_hidden_layers=8, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, **shape
+        ).save_pretrained(root / name)
         folders[name] = str(root / name)
     words = [f"w{i}" for i in range(200)]
     special = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]", "mask_token": "[MASK]"}
@@ -152,8 +177,8 @@ def arguments(cell: Cell, tiny: bool, folders: dict[str, str]) -> list[str]:
     return [k.format(**folders) for k in (*COMMON, *cell.model, *(cell.tiny if tiny else ()), *cell.keys)]
 
 
-def measure(cell: Cell, tiny: bool, out: Path, folders: dict[str, str], launcher=None) -> list[int]:
-    """Each rank's peak bytes over its second step (rank_peak.py). `launcher(nproc, script, args, env)`: how to start
+def measure(cell: Cell, tiny: bool, out: Path, folders: dict[str, str], launcher=None) -> list[dict]:
+    """Each rank's {"peak", "start"} bytes over its second step (rank_peak.py). `launcher(nproc, script, args, env)`: how to start
     it (torchrun by default; the test forks warm ranks)."""
     args = [*arguments(cell, tiny, folders), f"output_dir={out / 'run'}"]
     env = run_env(out, RANK_PEAK_DIR=str(out / "peaks"), HF_HUB_OFFLINE="1")
@@ -166,24 +191,41 @@ def measure(cell: Cell, tiny: bool, out: Path, folders: dict[str, str], launcher
         result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
         if result.returncode != 0:
             sys.exit(f"{' '.join(cmd)} failed:\n{result.stderr[-3000:]}")
-    return [json.loads((out / "peaks" / f"rank{r}.json").read_text())["peak"] for r in range(cell.nproc)]
+    return [json.loads((out / "peaks" / f"rank{r}.json").read_text()) for r in range(cell.nproc)]
 
 
-def estimated(cell: Cell, tiny: bool, folders: dict[str, str]) -> list[int]:
-    """The estimator's total for every global rank (each rank's pipeline rank: its row)."""
+def estimated(cell: Cell, tiny: bool, folders: dict[str, str]) -> list[tuple[int, int]]:
+    """The estimator's (total, step) for every global rank (each rank's pipeline rank: its row); step: the total less
+    what stands before a step (weights and optimizer state), rank_peak.py's peak - start."""
     from parallel_train.config.load import load_config
     from parallel_train.parallel.memory_estimate import estimate_config
 
     cfg, _ = load_config(arguments(cell, tiny, folders))
     layout, ranks, _ = estimate_config(cfg, cell.nproc)
-    return [ranks[layout.coordinate(r)["pp"]].total() for r in range(cell.nproc)]
+    rows = [ranks[layout.coordinate(r)["pp"]] for r in range(cell.nproc)]
+    return [(m.total(), m.total() - m.params - m.optimizer) for m in rows]
 
 
 def run_cell(cell: Cell, tmp: Path, folders: dict[str, str], launcher=None) -> list[dict]:
-    """Per rank: estimated and measured bytes above the tiny model of the same layout."""
+    """Per rank: estimated and measured bytes above the tiny model of the same layout, and the same for what the step
+    added at its peak above what stood before it (`step`, `step_estimated`: activations, scratch, gathered weights)."""
     big, tiny = (measure(cell, t, tmp / ("tiny" if t else "big"), folders, launcher) for t in (False, True))
+    return compare(cell, big, tiny, folders)
+
+
+def compare(cell: Cell, big: list[dict], tiny: list[dict], folders: dict[str, str]) -> list[dict]:
     est_big, est_tiny = estimated(cell, False, folders), estimated(cell, True, folders)
-    return [{"rank": r, "estimated": est_big[r] - est_tiny[r], "measured": big[r] - tiny[r]} for r in range(cell.nproc)]
+    step = lambda m: m["peak"] - m["start"]  # noqa: E731
+    return [
+        {
+            "rank": r,
+            "estimated": est_big[r][0] - est_tiny[r][0],
+            "measured": big[r]["peak"] - tiny[r]["peak"],
+            "step_estimated": est_big[r][1] - est_tiny[r][1],
+            "step": step(big[r]) - step(tiny[r]),
+        }
+        for r in range(cell.nproc)
+    ]
 
 
 def reestimate(log: Path, update: bool) -> None:
@@ -199,7 +241,10 @@ def reestimate(log: Path, update: bool) -> None:
             if name in CELLS and rest.startswith("["):
                 cell, measured = CELLS[name], json.loads(rest)
                 big, tiny = estimated(cell, False, folders), estimated(cell, True, folders)
-                results[name] = [{**r, "estimated": big[r["rank"]] - tiny[r["rank"]]} for r in measured]
+                results[name] = [
+                    {**r, "estimated": big[r["rank"]][0] - tiny[r["rank"]][0], "step_estimated": big[r["rank"]][1] - tiny[r["rank"]][1]}
+                    for r in measured
+                ]
             elif line.startswith("Load"):
                 loads = line
     text = table(results) + f"\n\n{loads}"

@@ -7,7 +7,8 @@
 Run by scripts/bench/memory_matrix.py (and its test), never by a user. Each rank writes DIR/rank<R>.json:
 {"peak": bytes} = the kernel's high-water mark of the process's resident memory (VmHWM), reset when step 1 ends
 (`/proc/self/clear_refs` 5) and read when step 2 ends: the peak of a step with the optimizer's state in place,
-which is what the estimator predicts. glibc is told to hand freed memory back at once (as scripts/bench/start.py's
+which is what the estimator predicts; and {"start": bytes}, the resident memory when step 1 ended (weights and
+optimizer state, no gradients): peak - start is what the step itself added at its peak (activations and scratch). glibc is told to hand freed memory back at once (as scripts/bench/start.py's
 RETURN_FREED does, but with mallopt, which also holds in a process forked from a warm one), so the peak is what
 was live and not what the allocator kept. The run itself is train.py's, unchanged: its engine, step and model.
 """
@@ -44,15 +45,17 @@ def return_freed_memory() -> None:
 def measure_second_step(out: Path) -> None:
     from parallel_train import trainer
 
-    original = trainer.Trainer.train_step
+    original, start = trainer.Trainer.train_step, [0]
 
     def train_step(self):
         result, step = original(self)
         if step == 1:  # the optimizer's state exists, the gradients are freed: measure the next step alone
             Path("/proc/self/clear_refs").write_text("5")
+            start[0] = status_bytes("VmRSS")  # what stands before the step: the step's own peak is above it
         elif step == 2:
             rank = int(os.environ.get("RANK", "0"))
-            (out / f"rank{rank}.json").write_text(json.dumps({"peak": status_bytes("VmHWM"), "rss": status_bytes("VmRSS")}))
+            peaks = {"peak": status_bytes("VmHWM"), "rss": status_bytes("VmRSS"), "start": start[0]}
+            (out / f"rank{rank}.json").write_text(json.dumps(peaks))
         return result, step
 
     trainer.Trainer.train_step = train_step

@@ -38,6 +38,7 @@ class PartBytes:
     inputs: dict[str, int] = field(default_factory=dict)  # bytes of each part's input
     largest: dict[str, int] = field(default_factory=dict)  # the largest single tensor each part keeps
     blocks: set[str] = field(default_factory=set)  # the parts that are blocks (what checkpointing can recompute)
+    attention: int = 0  # the largest attention's q, k, v and output (what context parallel's all-to-all exchanges)
 
 
 class _Created(TorchDispatchMode):
@@ -47,9 +48,13 @@ class _Created(TorchDispatchMode):
         super().__init__()
         self.current = current
         self.made: dict[int, tuple[str, weakref.ref]] = {}
+        self.attention = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if "scaled_dot_product" in func.__name__:  # SDPA's q, k, v and its output (the first of what it returns)
+            first = out[0] if isinstance(out, tuple | list) else out
+            self.attention = max(self.attention, sum(_local_bytes(t) for t in (*args[:3], first)))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 storage = getattr(t, "_local_tensor", t).untyped_storage()  # a DTensor: its local slice
@@ -90,13 +95,15 @@ def kept_per_part(
     blocks: set[str],
     keep_output: bool = False,
     stages: tuple[tuple[nn.Module, str], ...] = (),
+    units: dict[str, nn.Module] | None = None,
 ) -> PartBytes:
     """What one training forward (`forward(x)`: the model, or its pipeline stages in turn) and the loss keep alive, by
     part of `model`. Run on fake tensors. `keep_output`: the model's output (the logits) is held until backward whether
     or not the loss saved it, as torch's PipelineStage holds its last stage's output per micro-batch (its fwd_cache).
     `stages`: (a pipeline stage's view, its first part): what a stage makes before its first part runs (a decoder's
-    masks and rotary tables for its layers) is that part's, not the previous stage's."""
-    units = counted_units(model)
+    masks and rotary tables for its layers) is that part's, not the previous stage's. `units`: the parts
+    (counted_units), read before `fully_shard`, which renames the classes a model may find its blocks by."""
+    units = units or counted_units(model)
     current, inputs = ["loss"], {}
 
     def enter(name):
@@ -121,7 +128,7 @@ def kept_per_part(
             h.remove()
     gc.collect()
     params = _storage_ids(model)
-    result = PartBytes(inputs=inputs, blocks=blocks)
+    result = PartBytes(inputs=inputs, blocks=blocks, attention=created.attention)
     for key, (part, ref) in created.made.items():
         storage = ref()
         if storage is None or key in params:

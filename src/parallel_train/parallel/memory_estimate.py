@@ -12,7 +12,9 @@ selective op or every N-th block), in the engine's precision (FSDP2's bf16 polic
 data-parallel rank too: bf16 activations; autocast in one process and DDP: an fp32 residual stream beside bf16 copies). A forward without checkpointing gives what backward
 recomputes, one checkpointed block at a time, and a forward with model.activation_checkpointing=full the
 "checkpointed" column: each mode measured once, and one formula turns each into its figure, so a run whose own mode
-is full gets the same number in both.
+is full gets the same number in both. Context parallel: rank 0's T/cp of every sequence, through the model's own
+all-to-all; expert parallel: each block's experts gathered whole and kept to its backward; one layer's all-to-all
+buffers as scratch (parallel/exchange_memory.py).
 
 What the figures assume, stated: fp32 parameters, gradients and optimizer state (AdamW: two moments per parameter,
 SGD none), gradients and state only for the parameters that train (LoRA: the adapters); FSDP2 gathers copies in its policy's dtype: two blocks at a time (one computing, one prefetched) plus the
@@ -41,6 +43,7 @@ from parallel_train.data.batch import Batch, repeat
 from parallel_train.data.batch import parts as batch_parts
 from parallel_train.models import MODELS
 from parallel_train.parallel.activation_memory import PartBytes, block_names, kept_per_part
+from parallel_train.parallel.exchange_memory import context_part, exchange_bytes, expert_copies, transformers_on_fake, with_experts
 from parallel_train.parallel.expert_parallel import expert_numel
 from parallel_train.parallel.mesh import MeshLayout, build_device_mesh, resolve_layout
 from parallel_train.parallel.parts import counted_units, fsdp_units
@@ -174,16 +177,17 @@ def _held(cfg: Config, layout: MeshLayout, vocab_size: int, mesh, labels=None) -
         held = sum(local_numel(v) for v in views)
         blocks = [local_numel(u) for u in units]
         gathers = [b - expert_numel(u) for b, u in zip(blocks, units, strict=True)]  # EP holds its experts, never gathered
-        # FSDP2's unsharded copies; over one data-parallel rank only under bf16/fp16's policy (tensor parallel alone), where
-        # torch copies each unit's parameters into a buffer of the policy's dtype
-        copies = layout.dp_shard > 1 or (_fsdp(cfg, layout) and _precision(cfg, layout)[0] is not None)
-        gathered = (2 * max(gathers, default=0) + held - sum(blocks)) * layout.dp_shard if copies else 0
-        edp = layout.dp_shard // layout.ep  # EP's experts gathered over "edp", each layer's kept until its backward
-        gathered += sum(expert_numel(u) for u in units) * edp if edp > 1 and layout.ep > 1 else 0
+        # FSDP2's unsharded copies, gathered over its shard ranks (dp_shard x cp: context parallel's ranks shard the
+        # weights too); over one rank only under bf16/fp16's policy (tensor parallel alone), where torch copies each
+        # unit's parameters into a buffer of the policy's dtype
+        shards = layout.dp_shard * layout.cp
+        copies = shards > 1 or (_fsdp(cfg, layout) and _precision(cfg, layout)[0] is not None)
+        gathered = (2 * max(gathers, default=0) + held - sum(blocks)) * shards if copies else 0
         # a part's gradient bytes, for one step without accumulation (a pipeline's gradients all stand: not needed)
         units_by_name = counted_units(model).items() if layout.pp == 1 else ()  # the root (a task's head) has its blocks' too: left out
         part_grads = {name: 4 * local_numel(m, trainable=True) for name, m in units_by_name if m is not model}
-        out.append((ids, held, sum(local_numel(v, trainable=True) for v in views), gathered, part_grads))
+        experts = {name: expert_numel(m) for name, m in counted_units(model).items() if m is not model}  # EP: each block's
+        out.append((ids, held, sum(local_numel(v, trainable=True) for v in views), gathered, part_grads, experts))
     return plan, out
 
 
@@ -201,8 +205,8 @@ def _activations(cfg: Config, layout: MeshLayout, vocab_size: int, mesh, sample,
     with torch.device("meta"):
         model = build_shapes(model_cfg, vocab_size, labels)
     policy, autocast = _precision(cfg, layout)
-    blocks = block_names(model)
-    cut = MeshLayout(dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp)
+    blocks, units = block_names(model), counted_units(model)  # by name, before fully_shard renames the blocks' classes
+    cut = MeshLayout(dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, cp=layout.cp, tp=layout.tp)
     plan = _stage_plan(cfg, model, layout)
     views = [stage_module(model, names) for names in plan] if layout.pp > 1 else [model]
     # The engines' decision, on the whole model (parallel/mesh_engine.py, pipeline/distributed.py)
@@ -216,19 +220,21 @@ def _activations(cfg: Config, layout: MeshLayout, vocab_size: int, mesh, sample,
     # The batch's other inputs (a packed batch's positions, a dict batch's attention_mask, ...) go to every stage, as
     # the engines hand them (data/batch.py)
     x, y, rest = batch_parts(repeat(sample, micro))
+    if layout.cp > 1:
+        x, y, rest = context_part(model, mesh, layout.cp, x, y, rest)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         for view in views:  # a pipeline's stages one after the other, as the micro-batch goes through them
             x = view(x, **rest)
         return x
 
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with FakeTensorMode(allow_non_fake_inputs=True), transformers_on_fake(packed="positions" in rest):
         model.to_empty(device="cpu")
         # a pipeline's last stage holds each in-flight micro-batch's output (the logits) until its backward; what a
         # stage makes before its first part runs is that stage's
         stages = tuple((view, names[0]) for view, names in zip(views, plan, strict=True)) if layout.pp > 1 else ()
         return kept_per_part(
-            model.train(), forward, x, y, autocast, loss_context(logits_cut), blocks, keep_output=layout.pp > 1, stages=stages
+            model.train(), forward, x, y, autocast, loss_context(logits_cut), blocks, keep_output=layout.pp > 1, stages=stages, units=units
         )
 
 
@@ -289,12 +295,13 @@ def _receive_buffers(cfg: Config, layout: MeshLayout, ids: list[int], plan, plai
 
 
 def estimate(
-    cfg: Config, world: int, vocab_size: int, sample: Batch, labels: list[str] | None = None
+    cfg: Config, world: int, vocab_size: int, sample: Batch, labels: list[str] | None = None, layout: MeshLayout | None = None
 ) -> tuple[MeshLayout, list[RankMemory]]:
     """Memory of each pipeline rank (its data-parallel and tensor-parallel peers hold the same, up to the
     rounding of uneven slices: rank 0's slice is the largest). `sample`: one unbatched sample as the data gives it, a
-    tuple or a dict of named tensors, at its widest (data/batch.py widest_sample); `labels`: a task's class names."""
-    layout = resolve_layout(cfg, world, env={})
+    tuple or a dict of named tensors, at its widest (data/batch.py widest_sample); `labels`: a task's class names.
+    `layout`: the mesh as given, not resolved from the keys (a layout the run does not take yet: a published row's)."""
+    layout = layout or resolve_layout(cfg, world, env={})
     with fake_world(world):
         mesh = build_device_mesh(layout, "cpu")
         plan, held = _held(cfg, layout, vocab_size, mesh, labels)
@@ -307,19 +314,24 @@ def estimate(
     policy, _ = _precision(cfg, layout)
     param_bytes = 2 if policy is not None else 4  # FSDP2 gathers (and computes with) bf16/fp16 copies under its policy
     optimizer_states = 2 if cfg.train.optimizer == "adamw" else 0
+    exchange = exchange_bytes(cfg.model, layout, plain)
     ranks = []
-    for r, (ids, numel, trainable, gathered, part_grads) in enumerate(held):
+    for r, (ids, numel, trainable, gathered, part_grads, experts) in enumerate(held):
         mine = [n for i in ids for n in plan[i]] + (["loss"] if len(plan) - 1 in ids else [])
+        copies = expert_copies(experts, layout, param_bytes)
+        run_r, plain_r = with_experts(run, plain, copies)
+        full_r, plain_f = with_experts(measured["full"], plain, copies) if "full" in measured else (None, None)
         grads, buffers = 4 * trainable, gathered * param_bytes  # frozen weights (LoRA's base) have neither gradients nor state
         if layout.pp > 1 and _fsdp(cfg, layout):
             # An FSDP2 stage stays unsharded between micro-batches (reshard_after_forward=False; PipelineStage's
             # set_reshard_after_backward(False), no gradient sync until the last one): its whole parameters in the policy's dtype, and its whole gradients
             # accumulated in fp32 until the reduce-scatter after the last backward.
-            grads, buffers = 4 * trainable * layout.dp_shard, param_bytes * numel * layout.dp_shard
+            shards = layout.dp_shard * layout.cp
+            grads, buffers = 4 * trainable * shards, param_bytes * numel * shards
         accumulating = cfg.train.gradient_accumulation_steps > 1 or layout.pp > 1
         beside = {} if accumulating else part_grads  # gradients made before a block's recomputation (else all counted)
-        acts = _rank_activations(cfg, layout, r, ids, plan, run, plain, grads, beside)
-        ckpt = _rank_activations(cfg, layout, r, ids, plan, measured["full"], plain, grads, beside) if "full" in measured else None
+        acts = _rank_activations(cfg, layout, r, ids, plan, run_r, plain_r, grads, beside)
+        ckpt = _rank_activations(cfg, layout, r, ids, plan, full_r, plain_f, grads, beside) if full_r else None
         ranks.append(
             RankMemory(
                 r,
@@ -329,11 +341,12 @@ def estimate(
                 grads,
                 4 * optimizer_states * trainable,
                 buffers,
-                2 * max((plain.largest.get(n, 0) for n in mine), default=0),  # backward reruns a checkpointed block whole
+                # backward reruns a checkpointed block whole; an all-to-all's buffers (cp, ep) at a time instead
+                max(2 * max((plain.largest.get(n, 0) for n in mine), default=0), exchange),
                 acts,
                 ckpt,
                 accumulating=accumulating,
-                breakdown={n: run.kept.get(n, 0) for n in mine},
+                breakdown={n: run_r.kept.get(n, 0) for n in mine},
                 stage_buffers=_receive_buffers(cfg, layout, ids, plan, plain),
             )
         )
