@@ -214,11 +214,13 @@ def accelerate_args(config: str, *flags: str):
 def accelerate_warm(config: str, *overrides: str, launch_args: tuple[str, ...] = ()) -> tuple[WarmCmd, dict[str, str]]:
     """accelerate_cmd's ranks forked warm: (the command, the variables accelerate's launcher adds for its workers from
     the config: ACCELERATE_*, FSDP_*, PARALLELISM_CONFIG_*). For tests of what a config makes the template do; the
-    launcher itself is launched by tests/test_training.py and tests/test_topologies.py."""
-    from accelerate.utils.launch import prepare_multi_gpu_env
+    launchers themselves (one process, several, several nodes) are launched by tests/test_training.py and
+    tests/test_topologies.py."""
+    from accelerate.utils.launch import prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
 
     args = accelerate_args(config, *launch_args)
-    env = prepare_multi_gpu_env(args)
+    several = args.multi_gpu or args.use_fsdp or args.use_deepspeed
+    env = prepare_multi_gpu_env(args) if several else prepare_simple_launcher_cmd_env(args)[1]
     keys = ("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_")
     return warm_cmd(int(args.num_processes), *overrides), {k: v for k, v in env.items() if k.startswith(keys)}
 

@@ -1,8 +1,10 @@
 """Every accelerate config validates, and every launch path that runs on CPU really forms the world it promises.
 
-The launches are real processes (gloo). Covered elsewhere, not repeated here: `accelerate launch` with
-multi_cpu.yaml (tests/test_training.py::test_two_gloo_processes_form_one_ddp_group) and
-`torchrun --nproc-per-node 2` (tests/test_training.py::test_seed_mlp_example_on_two_processes).
+The launches are real processes (gloo); cpu.yaml's one process is forked warm with the environment accelerate gives
+it. Covered elsewhere, not repeated here: `accelerate launch` with multi_cpu.yaml
+(tests/test_training.py::test_two_gloo_processes_form_one_ddp_group), a one-process `accelerate launch`
+(tests/test_training.py::test_cpu_flag_that_starts_one_process_is_refused) and `torchrun --nproc-per-node 2`
+(tests/test_reliability.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from helpers import (
     TORCHRUN,
     Result,
     accelerate_args,
+    accelerate_warm,
     check,
     doc_section,
     free_port,
@@ -162,14 +165,12 @@ def assert_finished(out: Path, world: int, logs: list[Result]) -> None:
     assert sum(r.output.count("[parallel_train] done") for r in logs) == 1
 
 
-@pytest.mark.multiprocess
-def test_accelerate_launch_cpu_yaml(tmp_path):
-    r = check(
-        run(
-            [ACCELERATE, "launch", "--config_file", "accelerate_configs/cpu.yaml", "train.py", *TINY, f"output_dir={tmp_path / 'out'}"],
-            env=launch_env(tmp_path),
-        )
-    )
+def test_cpu_yaml_trains_one_process(tmp_path):
+    """cpu.yaml's environment (what `accelerate launch` gives its one process), forked warm. The one-process launcher
+    itself: tests/test_training.py::test_cpu_flag_that_starts_one_process_is_refused (and, slow, its SIGTERM)."""
+    cmd, extra = accelerate_warm("cpu", *TINY, f"output_dir={tmp_path / 'out'}")
+    r = check(run(cmd, env=launch_env(tmp_path, **extra)))
+    assert extra["ACCELERATE_USE_CPU"] == "True" and extra["ACCELERATE_MIXED_PRECISION"] == "no"
     assert_finished(tmp_path / "out", 1, [r])
     assert "1 process (" in r.output
 
