@@ -203,6 +203,28 @@ def accelerate_cmd(config: str, *overrides: str, launch_args: tuple[str, ...] = 
     return [ACCELERATE, "launch", "--config_file", f"accelerate_configs/{config}.yaml", *launch_args, "train.py", *overrides]
 
 
+def accelerate_args(config: str, *flags: str):
+    """What `accelerate launch --config_file accelerate_configs/<config>.yaml <flags> train.py` resolves to."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    args = launch_command_parser().parse_args(["--config_file", str(REPO / "accelerate_configs" / f"{config}.yaml"), *flags, "train.py"])
+    return _validate_launch_command(args)[0]
+
+
+def accelerate_warm(config: str, *overrides: str, launch_args: tuple[str, ...] = ()) -> tuple[WarmCmd, dict[str, str]]:
+    """accelerate_cmd's ranks forked warm: (the command, the variables accelerate's launcher adds for its workers from
+    the config: ACCELERATE_*, FSDP_*, PARALLELISM_CONFIG_*). For tests of what a config makes the template do; the
+    launchers themselves (one process, several, several nodes) are launched by tests/test_training.py and
+    tests/test_topologies.py."""
+    from accelerate.utils.launch import prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
+
+    args = accelerate_args(config, *launch_args)
+    several = args.multi_gpu or args.use_fsdp or args.use_deepspeed
+    env = prepare_multi_gpu_env(args) if several else prepare_simple_launcher_cmd_env(args)[1]
+    keys = ("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_")
+    return warm_cmd(int(args.num_processes), *overrides), {k: v for k, v in env.items() if k.startswith(keys)}
+
+
 def torchrun_cmd(nproc: int, *overrides: str, launch_args: tuple[str, ...] = ()) -> list[str]:
     return [TORCHRUN, "--nproc-per-node", str(nproc), "--master-port", str(free_port()), *launch_args, "train.py", *overrides]
 

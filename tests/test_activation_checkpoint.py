@@ -107,7 +107,9 @@ def test_true_and_false_are_aliases_and_a_bad_option_is_one_line():
         load_config(["model.activation_checkpointing=some"])
 
 
-BASE = (*TINY, "model.n_layer=4", "model.dropout=0.1", "train.max_steps=4", "train.log_interval=1")
+# no evaluation or checkpoint on the way: the modes are compared by their training losses (1 s less per launch)
+NO_EVAL = ("eval.interval=0", "checkpoint.interval=0")
+BASE = (*TINY, "model.n_layer=4", "model.dropout=0.1", "train.max_steps=4", "train.log_interval=1", *NO_EVAL)
 
 
 def assert_modes_equal(tmp_path, layout: str, modes, reference: str) -> None:
@@ -127,8 +129,15 @@ def assert_modes_equal(tmp_path, layout: str, modes, reference: str) -> None:
 
 @pytest.mark.multiprocess
 def test_every_mode_under_fsdp2_equals_none(tmp_path):
-    """FSDP2 on 2 ranks in every mode against FSDP2 without checkpointing."""
-    assert_modes_equal(tmp_path, "parallel.dp_shard=2", MODES, "none_op")
+    """FSDP2 on 2 ranks, full and selective op against FSDP2 without checkpointing. Selective every other block wraps
+    its blocks as full does (which blocks: counted above, in process): under FSDP2 in the slow test below."""
+    assert_modes_equal(tmp_path, "parallel.dp_shard=2", MODES[:3], "none_op")
+
+
+@pytest.mark.slow  # a second launch of full's wrapping under FSDP2, on every other block
+@pytest.mark.multiprocess
+def test_selective_every_other_block_under_fsdp2_equals_none(tmp_path):
+    assert_modes_equal(tmp_path, "parallel.dp_shard=2", (MODES[0], MODES[3]), "none_op")
 
 
 @pytest.mark.slow  # a second launch of the checkpointing path above, in pipeline stages (a unit test covers the block count)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from helpers import ACCELERATE, PYTHON, REPO, WarmCmd, check, free_port, launch_env, run, run_together
+from helpers import ACCELERATE, PYTHON, REPO, WarmCmd, check, free_port, launch_env, run, run_together, warm_script
 
 SCRIPT = str(REPO / "scripts" / "check_env.py")
 
@@ -50,11 +50,11 @@ def test_interface_rules_sizes_and_mismatch_report(monkeypatch):
 
 
 def test_single_process_passes_and_a_missing_interface_fails(tmp_path):
-    r = check(run([PYTHON, SCRIPT, "--json", str(tmp_path / "report.json")], env=launch_env(tmp_path), timeout=120))
+    r = check(run(warm_script(SCRIPT, "--json", str(tmp_path / "report.json")), env=launch_env(tmp_path), timeout=120))
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["world_size"] == 1 and report["launcher"] == "python" and report["problems"] == []
     assert "OK: all ranks agree" in r.stdout and "torch" in r.stdout.splitlines()[1]
-    r = run([PYTHON, SCRIPT], env=launch_env(tmp_path, GLOO_SOCKET_IFNAME="nosuchif9"), timeout=120)
+    r = run(warm_script(SCRIPT), env=launch_env(tmp_path, GLOO_SOCKET_IFNAME="nosuchif9"), timeout=120)
     assert r.returncode == 1 and "GLOO_SOCKET_IFNAME=nosuchif9: no interface 'nosuchif9' on this host" in r.stderr
 
 

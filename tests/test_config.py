@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import yaml
 
-from helpers import PYTHON, run
+from helpers import run, warm_cmd
 from parallel_train.config.load import UniqueKeyLoader, config_from_dict, load_config, sections
 from parallel_train.config.sections import Config
 from parallel_train.errors import UserError
@@ -103,7 +103,7 @@ def test_a_key_written_twice_in_one_file_names_the_key_and_both_lines(tmp_path):
 
 
 def test_cli_error_is_one_line_exit_2_without_traceback():
-    r = run([PYTHON, "train.py", "model.n_head=3"], timeout=120)
+    r = run(warm_cmd(1, "model.n_head=3"), timeout=120)  # train.py's entry point (a cold `python train.py`: test_bad_inputs.py)
     assert r.returncode == 2
     assert r.stderr.strip() == "error: model.n_embd (128) must be divisible by model.n_head (3)"
     assert "Traceback" not in r.output

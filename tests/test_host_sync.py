@@ -54,7 +54,16 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", [pytest.param(k, marks=[pytest.mark.multiprocess] if n > 1 else []) for k, (n, _) in LAYOUTS.items()])
+SECOND = {"ddp"}  # DDP's step without ignored targets: a second launch of the path ddp_moe runs by default (slow)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param(k, marks=([pytest.mark.multiprocess] if n > 1 else []) + ([pytest.mark.slow] if k in SECOND else []))
+        for k, (n, _) in LAYOUTS.items()
+    ],
+)
 def test_no_host_read_on_a_step_that_neither_logs_nor_agrees(tmp_path, layout):
     nproc, keys = LAYOUTS[layout]
     if keys == PADDED:  # prompts the model is not taught (targets -100) and answers it is, padded to the block

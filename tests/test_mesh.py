@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import PYTHON, TINY, accelerate_cmd, check, launch_env, run, summary, train_losses, warm_cmd
+from helpers import PYTHON, TINY, accelerate_cmd, accelerate_warm, check, launch_env, run, summary, train_losses, warm_cmd
 from parallel_train.config.load import load_config
 from parallel_train.config.sections import Config
 from parallel_train.errors import UserError
@@ -81,14 +81,15 @@ def launched(tmp_path_factory):
                     launch(other)
             out = tmp / name
             args = (*SGD, *(o.format(**{k: v[0] for k, v in done.items()}) for o in overrides), f"output_dir={out}")
-            if how == 1:
-                cmd = warm_cmd(1, *args)
-            elif isinstance(how, int):
+            extra: dict[str, str] = {}
+            if isinstance(how, int):
                 cmd = warm_cmd(how, *args)
-            else:  # an accelerate config: 2 processes, its parallelism_config cut to fit (4 x 2 would need 8)
-                flags = ("--num_processes", "2") if how == "fsdp" else ("--num_processes", "4", "--parallelism_config_dp_shard_size", "2")
+            elif how == "fsdp":  # the environment accelerate's launcher gives fsdp.yaml's 2 workers, forked warm
+                cmd, extra = accelerate_warm(how, *args, launch_args=("--num_processes", "2"))
+            else:  # a real `accelerate launch` (slow): 4 processes, its parallelism_config cut to fit (4 x 2 would need 8)
+                flags = ("--num_processes", "4", "--parallelism_config_dp_shard_size", "2")
                 cmd = accelerate_cmd(how, *args, launch_args=flags)
-            done[name] = (out, check(run(cmd, env=launch_env(tmp), timeout=600)).output)
+            done[name] = (out, check(run(cmd, env=launch_env(tmp, **extra), timeout=600)).output)
         return done[name]
 
     return launch

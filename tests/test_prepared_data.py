@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import sys
 
 import datasets
 import numpy as np
 import pytest
 import torch
 
-from helpers import REPO, launch_env, run
+from helpers import REPO, launch_env, run, warm_script
 from parallel_train.config.sections import Config
 from parallel_train.data import inputs
 from parallel_train.data.batch_sampler import GlobalBatchSampler
@@ -167,16 +166,7 @@ def test_a_folder_that_is_not_ours_is_never_written_into(tmp_path, corpus):
 def test_prepare_script_says_one_line_and_exits_2(tmp_path):
     (tmp_path / "b.txt").write_bytes(bytes(range(256)) * 64)
     r = run(
-        [
-            sys.executable,
-            "scripts/prepare_data.py",
-            "--input",
-            str(tmp_path / "b.txt"),
-            "--output",
-            str(tmp_path / "o"),
-            "--tokenizer",
-            "byte",
-        ]
+        warm_script("scripts/prepare_data.py", "--input", str(tmp_path / "b.txt"), "--output", str(tmp_path / "o"), "--tokenizer", "byte")
     )
     assert r.returncode == 2 and "Traceback" not in r.output
     assert [line for line in r.output.splitlines() if line.startswith("error:")] == [
@@ -189,14 +179,15 @@ def test_a_kill_while_preparing_leaves_nothing_that_looks_complete(tmp_path, cor
     training says so; running again finishes."""
     out = tmp_path / "out"
     prep(out, [corpus])
-    cmd = [sys.executable, "scripts/prepare_data.py", "--input", str(corpus), "--output", str(out), "--tokenizer", "byte"]
+    args = ("--input", str(corpus), "--output", str(out), "--tokenizer", "byte")  # forked warm: a real process, SIGKILLed
     killed = run(
-        [*cmd, "--overwrite", "--shard_tokens", "5000", "--num_proc", "1"], env=launch_env(PARALLEL_TRAIN_FAULT="kill_in_prepare@1")
+        warm_script("scripts/prepare_data.py", *args, "--overwrite", "--shard_tokens", "5000", "--num_proc", "1"),
+        env=launch_env(PARALLEL_TRAIN_FAULT="kill_in_prepare@1"),
     )
     assert killed.returncode == -9 and (out / "train_000000.bin").exists() and not (out / META).exists()
     with pytest.raises(UserError, match="has no prepared.json"):
         load_data(cfg_for(out))
-    done = run([*cmd, "--overwrite", "--num_proc", "1"])
+    done = run(warm_script("scripts/prepare_data.py", *args, "--overwrite", "--num_proc", "1"))
     assert done.returncode == 0, done.output
     assert read_meta(out)[0]["tokenizer"]["spec"] == "byte" and not list(out.glob("*.tmp")) and not (out / ".prepare-work").exists()
     assert len(load_data(cfg_for(out)).train_set) > 0

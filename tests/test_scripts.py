@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY, check, launch_env, run, train_cmd, warm_cmd, warm_script
+from helpers import TINY, check, launch_env, run, warm_cmd, warm_script
 from parallel_train.config.sections import REPO_ROOT, Config
 from parallel_train.core.fields import key_name
 
@@ -47,7 +47,7 @@ def config_keys(node, prefix=""):
 
 
 def test_help_lists_every_config_key_with_type_default_and_description():
-    result = check(run(train_cmd("--help"), timeout=60))
+    result = check(run(warm_cmd(1, "--help"), timeout=60))
     # A key two models share (e.g. model.activation_checkpointing) has one line in each model's group.
     lines: dict[str, list[str]] = {}
     for line in result.stdout.splitlines():

@@ -1,8 +1,10 @@
 """Every accelerate config validates, and every launch path that runs on CPU really forms the world it promises.
 
-The launches are real processes (gloo). Covered elsewhere, not repeated here: `accelerate launch` with
-multi_cpu.yaml (tests/test_training.py::test_two_gloo_processes_form_one_ddp_group) and
-`torchrun --nproc-per-node 2` (tests/test_training.py::test_seed_mlp_example_on_two_processes).
+The launches are real processes (gloo); cpu.yaml's one process is forked warm with the environment accelerate gives
+it. Covered elsewhere, not repeated here: `accelerate launch` with multi_cpu.yaml
+(tests/test_training.py::test_two_gloo_processes_form_one_ddp_group), a one-process `accelerate launch`
+(tests/test_training.py::test_cpu_flag_that_starts_one_process_is_refused) and `torchrun --nproc-per-node 2`
+(tests/test_reliability.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from helpers import (
     TINY,
     TORCHRUN,
     Result,
+    accelerate_args,
+    accelerate_warm,
     check,
     doc_section,
     free_port,
@@ -50,14 +54,6 @@ EXPECTED = {
 STEPS = 6  # TINY's train.max_steps
 
 
-def launch_args(config: str, *extra: str):
-    """What `accelerate launch --config_file accelerate_configs/<config>.yaml <extra> train.py` resolves to."""
-    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-
-    args = launch_command_parser().parse_args(["--config_file", str(CONFIGS / f"{config}.yaml"), *extra, "train.py"])
-    return _validate_launch_command(args)[0]
-
-
 def test_every_config_loads_validates_and_is_documented():
     from accelerate.commands.config.config_args import load_config_from_file
 
@@ -79,13 +75,13 @@ def test_every_config_loads_validates_and_is_documented():
             machines,
             precision,
         ), name
-        args = launch_args(name)  # how `accelerate launch` reads it (nested fsdp/deepspeed keys become flags)
+        args = accelerate_args(name)  # how `accelerate launch` reads it (nested fsdp/deepspeed keys become flags)
         assert args.num_processes == nproc and args.mixed_precision == precision, name
         assert (args.use_fsdp, args.use_deepspeed) == (dist_type == "FSDP", dist_type == "DEEPSPEED"), name
-    assert launch_args("deepspeed_zero2").zero_stage == 2 and launch_args("deepspeed_zero3").zero_stage == 3
-    assert launch_args("deepspeed_zero3").zero3_save_16bit_model is True  # else get_state_dict cannot consolidate
+    assert accelerate_args("deepspeed_zero2").zero_stage == 2 and accelerate_args("deepspeed_zero3").zero_stage == 3
+    assert accelerate_args("deepspeed_zero3").zero3_save_16bit_model is True  # else get_state_dict cannot consolidate
     for name, sizes in (("fsdp_tp", (1, 4, 2)), ("hsdp", (2, 4, 1))):  # the parallelism_config block (product = num_processes)
-        args = launch_args(name)
+        args = accelerate_args(name)
         assert args.use_parallelism_config and str(args.fsdp_version) == "2", name
         assert (args.parallelism_config_dp_replicate_size, args.parallelism_config_dp_shard_size, args.parallelism_config_tp_size) == sizes
     requirements = (REPO / "requirements-deepspeed.txt").read_text()
@@ -95,14 +91,14 @@ def test_every_config_loads_validates_and_is_documented():
 def test_multi_node_yaml_takes_the_node_values_from_the_command_line():
     from accelerate.utils.launch import prepare_multi_gpu_env
 
-    args = launch_args(
+    args = accelerate_args(
         "multi_node", "--num_processes", "4", "--machine_rank", "1", "--main_process_ip", "10.1.2.3", "--main_process_port", "29411"
     )
     prepare_multi_gpu_env(args)  # what accelerate hands to torch's elastic launcher
     assert (args.nnodes, args.nproc_per_node, args.node_rank) == ("2", "2", 1) and args.rdzv_endpoint == "10.1.2.3:29411"
     # accelerate 1.15 ignores the file's rdzv_backend (its flag defaults to "static"): the commands pass it.
     assert args.rdzv_backend == "static"
-    assert launch_args("multi_node", "--rdzv_backend", "c10d").rdzv_backend == "c10d"
+    assert accelerate_args("multi_node", "--rdzv_backend", "c10d").rdzv_backend == "c10d"
     header = (CONFIGS / "multi_node.yaml").read_text()
     assert "--rdzv_backend c10d" in header and "--rdzv_backend c10d" in (REPO / "scripts" / "launch_multinode.sh").read_text()
 
@@ -115,7 +111,7 @@ def test_fsdp_yaml_is_fsdp2_wrapping_every_gpt_block():
 
     from parallel_train.models.gpt import GPT, Block, GPTConfig
 
-    env = prepare_multi_gpu_env(launch_args("fsdp"))
+    env = prepare_multi_gpu_env(accelerate_args("fsdp"))
     with patch_environment(**{k: v for k, v in env.items() if k.startswith(("FSDP_", "ACCELERATE_"))}):
         plugin = FullyShardedDataParallelPlugin()
     assert plugin.fsdp_version == 2 and plugin.state_dict_type.name == "SHARDED_STATE_DICT"
@@ -169,14 +165,12 @@ def assert_finished(out: Path, world: int, logs: list[Result]) -> None:
     assert sum(r.output.count("[parallel_train] done") for r in logs) == 1
 
 
-@pytest.mark.multiprocess
-def test_accelerate_launch_cpu_yaml(tmp_path):
-    r = check(
-        run(
-            [ACCELERATE, "launch", "--config_file", "accelerate_configs/cpu.yaml", "train.py", *TINY, f"output_dir={tmp_path / 'out'}"],
-            env=launch_env(tmp_path),
-        )
-    )
+def test_cpu_yaml_trains_one_process(tmp_path):
+    """cpu.yaml's environment (what `accelerate launch` gives its one process), forked warm. The one-process launcher
+    itself: tests/test_training.py::test_cpu_flag_that_starts_one_process_is_refused (and, slow, its SIGTERM)."""
+    cmd, extra = accelerate_warm("cpu", *TINY, f"output_dir={tmp_path / 'out'}")
+    r = check(run(cmd, env=launch_env(tmp_path, **extra)))
+    assert extra["ACCELERATE_USE_CPU"] == "True" and extra["ACCELERATE_MIXED_PRECISION"] == "no"
     assert_finished(tmp_path / "out", 1, [r])
     assert "1 process (" in r.output
 
