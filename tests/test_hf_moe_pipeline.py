@@ -37,15 +37,18 @@ def save_mixtral(folder) -> str:
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """name -> its output folder, each launch run once per module (the model from its config: random weights)."""
+    """name -> its output folder, each launch run once per module (the model from its config, one folder per family
+    that every launch of it reads: a resumed run's model.hf_path is its checkpoint's)."""
     outs: dict[str, object] = {}
+    root = tmp_path_factory.mktemp("hub")
+    hubs = {"qwen3_moe": save_tiny_qwen3_moe(root / "qwen3_moe"), "mixtral": save_mixtral(root / "mixtral")}
 
     def get(name: str):
         if name not in outs:
             n, family, extra = LAUNCHES[name]
             folders = {k: get(k) for k in LAUNCHES if any("{" + k + "}" in e for e in extra)}
             out = tmp_path_factory.mktemp(name)
-            hub = (save_tiny_qwen3_moe if family == "qwen3_moe" else save_mixtral)(out / family)
+            hub = hubs[family]
             keys = [k.format(hub=hub) for k in (*RUN, *HUB)] + [e.format(**folders) for e in extra]
             check(run(warm_cmd(n, *keys, f"output_dir={out / 'out'}"), env=launch_env(out)))
             outs[name] = out / "out"
