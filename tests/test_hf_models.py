@@ -78,13 +78,34 @@ FAMILIES = {
     ),
     "qwen3": lambda: transformers.Qwen3Config(**hf_tiny.llama_config().to_dict() | {"head_dim": 16}),
     "gpt2": lambda: hf_tiny.gpt2_config(),
+    # mixtures of experts (hf_layouts.MOE_LAYOUTS): the same parts, each layer's MLP routed
+    "qwen3_moe": hf_tiny.qwen3_moe_config,
+    "mixtral": lambda: hf_tiny.mixtral_config(sliding_window=8),
+    "deepseek_v3": hf_tiny.deepseek_v3_config,
+    "olmoe": lambda: transformers.OlmoeConfig(**hf_tiny.MOE_SIZES, num_key_value_heads=2, num_experts=4),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+        **hf_tiny.MOE_SIZES, num_key_value_heads=2, num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=16
+    ),
+    "gpt_oss": lambda: transformers.GptOssConfig(
+        **hf_tiny.MOE_SIZES,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        head_dim=8,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
 }
 
 
+SLOW_FAMILIES = {"mixtral", "deepseek_v3", "olmoe", "qwen2_moe", "gpt_oss"}  # the MoE layouts but Qwen3-MoE: -m slow
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f in SLOW_FAMILIES else f for f in sorted(FAMILIES)])
 def test_each_layout_runs_like_the_model_own_forward(family, attn):
     """The part-by-part decoder (what pipeline stages run) equals transformers' forward: logits and gradients."""
+    if (family, attn) == ("gpt_oss", "sdpa"):
+        pytest.skip("GPT-OSS (attention sinks) runs eager attention only in transformers")
     torch.manual_seed(0)
     config = FAMILIES[family]()
     config._attn_implementation = attn

@@ -64,18 +64,21 @@ def qwen3_moe(tmp_path):
     return ["model.name=hf", f"model.hf_path={tmp_path}", "model.hf_pretrained=false", "data.path=synthetic"]
 
 
-def test_a_hub_mixture_of_experts_is_estimated_as_a_real_forward_keeps(qwen3_moe):
+def test_a_hub_mixture_of_experts_is_estimated_as_a_real_forward_keeps(qwen3_moe, monkeypatch):
     """transformers' experts run torch's grouped matmul, whose meta kernel refuses fp32 on fake tensors (the estimate
     stopped with "Expected inputs of BF16 type"): the estimate runs them through transformers' own fallback. And a
-    model that builds its own masks (Qwen3-MoE: no known layout) made a (B, 1, T, T) mask on fake position ids that a
-    run never has (the measured cells ran at 1.07, 1.03-1.04 without it). Each layer's estimate now equals what a real
-    forward keeps, and under FSDP2 each decoder layer's bytes are still its own (found before fully_shard renames the
-    layers' class, which left them all on the model before)."""
+    model that builds its own masks (no known layout: Qwen3-MoE's taken away here) made a (B, 1, T, T) mask on fake
+    position ids that a run never has (the measured cells ran at 1.07, 1.03-1.04 without it). Each layer's estimate now
+    equals what a real forward keeps, and under FSDP2 each decoder layer's bytes are still its own (found before
+    fully_shard renames the layers' class, which left them all on the model before)."""
     import contextlib
 
     import torch
 
+    from parallel_train.models import hf_layouts
     from parallel_train.parallel.activation_memory import block_names, kept_per_part
+
+    monkeypatch.delitem(hf_layouts.LAYOUTS, "qwen3_moe")  # the model's own forward, which builds its masks
 
     keys = [*qwen3_moe, "model.block_size=64", "train.batch_size=2"]
     one = rank0(1, base=keys)

@@ -60,6 +60,10 @@ LEARNED = Layout(
     groups=(("transformer.wte", "transformer.wpe", "transformer.drop"),),
 )
 LAYOUTS = {"llama": ROTARY, "mistral": ROTARY, "qwen2": ROTARY, "qwen3": ROTARY, "gpt2": LEARNED}
+# Mixtures of experts: the same parts, each decoder layer's MLP routed (its router's balancing loss per stage:
+# parallel/pipeline/balance.py).
+MOE_LAYOUTS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss")
+LAYOUTS.update(dict.fromkeys(MOE_LAYOUTS, ROTARY))
 
 
 def layout_for(hf_model: nn.Module) -> Layout | None:

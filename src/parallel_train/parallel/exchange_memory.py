@@ -94,7 +94,7 @@ def transformers_on_fake(packed: bool):
       (`transformers::grouped_mm_fallback`, a custom op with a fake kernel) saves the same input and weights for
       backward and returns the same shape (the same bytes kept, checked on real tensors);
     - a batch that is not `packed`: given position ids 0..T-1, `find_packed_sequence_indices` cannot read fake values
-      to find there is no packing, so a model that builds its own masks (no known layout: Qwen3-MoE) made a (B, 1,
+      to find there is no packing, so a model that builds its own masks (no known layout, hf_layouts.py) made a (B, 1,
       T, T) mask a run never has (hf_layouts.py spares the decoders it knows the same way); it is told what it finds
       in a run, None."""
     patches = []

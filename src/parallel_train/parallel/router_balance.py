@@ -115,23 +115,36 @@ def router_spec(hf: nn.Module) -> tuple[type, int, int, int] | None:
     return (target, index, n_experts, top_k) if target and n_experts and top_k else None
 
 
-def hub_routers(hf: nn.Module) -> list[RouterTap]:
-    """The routers of a transformers MoE model, tapped."""
+def hub_routers(hf: nn.Module, part: nn.Module | None = None, tap: bool = True) -> list:
+    """The routers of a transformers MoE model (those under `part`, a pipeline stage's view of it, when given), tapped;
+    `tap=False`: the router modules themselves, untouched (to count them)."""
     spec = router_spec(hf)
     if spec is None:
         return []
     target, index, n_experts, top_k = spec
-    return [RouterTap(m, index, n_experts, top_k) for m in hf.modules() if isinstance(m, target)]
+    routers = [m for m in (hf if part is None else part).modules() if isinstance(m, target)]
+    return [RouterTap(m, index, n_experts, top_k) for m in routers] if tap else routers
+
+
+def moe_layers(model: nn.Module, part: nn.Module | None = None, tap: bool = True) -> list:
+    """What the balancing loss reads of `model` (of `part`, a pipeline stage's view of it, when given): the GPT's MoE
+    layers, or a transformers MoE model's routers (`model.hf`), tapped unless `tap=False`."""
+    layers = [m for m in (model if part is None else part).modules() if isinstance(m, MoE)]
+    hf = getattr(model, "hf", None)
+    return hub_routers(hf, part, tap) if not layers and isinstance(hf, nn.Module) else layers
+
+
+def aux_loss_coef(model: nn.Module, cfg) -> float:
+    """model.moe_aux_loss_coef, or for a transformers model when it is < 0, the model's own router_aux_loss_coef."""
+    coef = getattr(cfg.model, "moe_aux_loss_coef", 0.0)
+    hf = getattr(model, "hf", None)
+    if coef < 0 and isinstance(hf, nn.Module) and not any(isinstance(m, MoE) for m in model.modules()):
+        coef = getattr(hf.config.get_text_config(), "router_aux_loss_coef", 0.0) or 0.0
+    return max(coef, 0.0)
 
 
 def router_balance(model: nn.Module, cfg, dp_size: int, device: torch.device) -> RouterBalance | None:
     """The balancing loss of `model`'s MoE layers (None: it has none): the GPT's experts, or a transformers MoE model's
     routers. `cfg`: the run's config; model.moe_aux_loss_coef < 0: the transformers model's own router_aux_loss_coef."""
-    layers = [m for m in model.modules() if isinstance(m, MoE)]
-    coef = getattr(cfg.model, "moe_aux_loss_coef", 0.0)
-    hf = getattr(model, "hf", None)
-    if not layers and isinstance(hf, nn.Module):
-        layers = hub_routers(hf)
-        if coef < 0:
-            coef = getattr(hf.config.get_text_config(), "router_aux_loss_coef", 0.0) or 0.0
-    return RouterBalance(layers, max(coef, 0.0), dp_size, device) if layers else None
+    layers = moe_layers(model)
+    return RouterBalance(layers, aux_loss_coef(model, cfg), dp_size, device) if layers else None

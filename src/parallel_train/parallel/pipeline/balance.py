@@ -1,12 +1,13 @@
 """The router's balancing loss on the stages of the multi-process pipeline (parallel/router_balance.py, models/moe.py).
 
-Each stage's MoE layers get a RouterBalance of their own. After each micro-batch's forward through the stage, its
-layers' counts are summed over the ranks that hold the same stage (its data-parallel ranks and their tensor-parallel
-peers: one all-reduce, in the order every one of them runs the schedule), and the stage's share of the weighted loss is
-tied to the stage's output by `AuxLoss`: the identity forward, whose backward also gives the term the gradient 1 (times
-the fp16 loss scale) when the stage's output gradient arrives. So every stage's layers, not only the last stage's, get
-their balancing gradient within the schedule's own backward (Megatron-LM's MoEAuxLossAutoScaler). Each term divides by
-the whole model's MoE layers, so the stages' terms add up to the unsplit model's mean over the layers.
+Each stage's MoE layers (the GPT's, or a transformers MoE model's routers, tapped: router_balance.py `moe_layers`) get a
+RouterBalance of their own. After each micro-batch's forward through the stage, its layers' counts are summed over the
+ranks that hold the same stage (its data-parallel ranks and their tensor-parallel peers: one all-reduce, in the order
+every one of them runs the schedule), and the stage's share of the weighted loss is tied to the stage's output by
+`AuxLoss`: the identity forward, whose backward also gives the term the gradient 1 (times the fp16 loss scale) when the
+stage's output gradient arrives. So every stage's layers, not only the last stage's, get their balancing gradient within
+the schedule's own backward (Megatron-LM's MoEAuxLossAutoScaler). Each term divides by the whole model's MoE layers, so
+the stages' terms add up to the unsplit model's mean over the layers.
 
 The micro-batches are the pipeline's (A x parallel.microbatches per optimizer step), each over the data-parallel ranks:
 the loss equals that of one process that runs the same micro-batches as gradient accumulation. The schedule's first
@@ -24,9 +25,8 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel_train.core.collectives import all_gather
-from parallel_train.models.moe import MoE
 from parallel_train.parallel.mesh import MeshLayout
-from parallel_train.parallel.router_balance import RouterBalance
+from parallel_train.parallel.router_balance import RouterBalance, aux_loss_coef, moe_layers
 
 
 class AuxLoss(torch.autograd.Function):
@@ -53,17 +53,29 @@ def stage_peers(layout: MeshLayout, rank: int):
 
 
 class StageBalance:
-    """The balancing loss of this rank's stages (`mods`, stage indices `ids`); `n_layers`: the whole model's MoE layers,
-    `micro_batches`: per optimizer step; `unit()`: the gradient a term gets (the loss scale)."""
+    """The balancing loss of this rank's stages (`mods`, stage indices `ids`, views of `model`: the whole model, which
+    names its kind of MoE layer); `n_layers`: the whole model's MoE layers, `micro_batches`: per optimizer step; `unit()`:
+    the gradient a term gets (the loss scale)."""
 
-    def __init__(self, mods: list[nn.Module], ids: list[int], n_layers: int, coef: float, layout: MeshLayout, rank: int, device, pp_group):
+    def __init__(
+        self,
+        model: nn.Module,
+        mods: list[nn.Module],
+        ids: list[int],
+        n_layers: int,
+        coef: float,
+        layout: MeshLayout,
+        rank: int,
+        device,
+        pp_group,
+    ):
         self.live, self.micro_batches, self.pp_group = False, 1, pp_group
         self.unit: Callable[[], torch.Tensor] = lambda: torch.ones((), device=device)
         group = stage_peers(layout, rank)
         peers = layout.world // layout.pp
         self.stages: dict[int, RouterBalance] = {}
         for mod, sid in zip(mods, ids, strict=True):
-            layers = [m for m in mod.modules() if isinstance(m, MoE)]
+            layers = moe_layers(model, mod)
             if layers:
                 self.stages[sid] = RouterBalance(layers, coef, layout.dp, device, group=group, peers=peers, n_layers=n_layers)
                 mod.register_forward_hook(self._after(mod, self.stages[sid]))
@@ -72,11 +84,10 @@ class StageBalance:
     def of(cls, model: nn.Module, mods: list[nn.Module], ids: list[int], engine, layout: MeshLayout) -> StageBalance | None:
         """The StageBalance of `engine`'s stages (`model`: the whole model, whose MoE layers the loss averages over), or
         None for a model without them."""
-        n_layers = sum(isinstance(m, MoE) for m in model.modules())
+        n_layers = len(moe_layers(model, tap=False))
         if not n_layers:
             return None
-        coef = max(getattr(engine.cfg.model, "moe_aux_loss_coef", 0.0), 0.0)
-        balance = cls(mods, ids, n_layers, coef, layout, engine.rank, engine.device, engine.pp_group)
+        balance = cls(model, mods, ids, n_layers, aux_loss_coef(model, engine.cfg), layout, engine.rank, engine.device, engine.pp_group)
         balance.micro_batches = engine.M  # A x parallel.microbatches per optimizer step
         balance.unit = lambda: engine.precision.scale(torch.ones((), device=engine.device))  # the fp16 loss scale
         return balance

@@ -33,6 +33,7 @@ from parallel_train.parallel.pipeline.split import describe_stages, plan_stages
 from parallel_train.parallel.pipeline.tied import stages_holding
 from parallel_train.parallel.pipeline.timeline import Clock, Recorder, write_report
 from parallel_train.parallel.precision import Precision
+from parallel_train.parallel.router_balance import moe_layers
 
 
 def resolve_devices(names: list[str], local_rank: int) -> list[torch.device]:
@@ -199,6 +200,11 @@ class InProcessPipelineEngine(DataParallelEngine):
             raise UserError(
                 f"parallel.microbatches={p.microbatches} is more than train.batch_size={cfg.train.batch_size}; "
                 "use at most one micro-batch per sample"
+            )
+        if moe_layers(model, tap=False):  # the GPT's are refused with the config (config/load.py), a transformers MoE's here
+            raise UserError(
+                "parallel.stage_devices: a mixture of experts: the in-process pipeline does not carry the router's balancing "
+                "loss; leave parallel.stage_devices empty and launch one process per stage"
             )
         devices = resolve_devices(p.stage_devices, accelerator.local_process_index)
         init.fill(model, torch.device("cpu"))  # one process holds every stage: the whole model, then each stage moves
