@@ -71,7 +71,6 @@ def cfg_with(**keys) -> Config:
         (2, {"parallel__cp": 2, "model__n_head": 3, "model__n_embd": 48}, r"parallel.cp=2 does not divide model.n_head=3"),
         (4, {"parallel__cp": 2, "parallel__tp": 2}, r"parallel.cp=2 does not combine with parallel.tp=2"),
         (4, {"parallel__cp": 2, "parallel__pipeline_stages": 2}, r"does not combine with parallel.pipeline_stages"),
-        (2, {"parallel__cp": 2, "data__packing": True}, r"does not combine with data.format chat/instruction and data.packing"),
         (2, {"parallel__cp": 2, "model__n_experts": 2}, r"does not combine with model.n_experts"),
         (3, {"parallel__cp": 2}, r"parallel.cp=2 does not divide the world size 3"),
     ],

@@ -80,7 +80,7 @@ class CausalSelfAttention(nn.Module):
         # Fused attention: flash / memory-efficient kernels on GPU, a fused kernel on CPU.
         dropout_p = self.dropout if self.training else 0.0
         if self.context_parallel is not None:  # x is this rank's part of the sequence (parallel/context_parallel.py)
-            y = self.context_parallel.attend(q, k, v, dropout_p=dropout_p)
+            y = self.context_parallel.attend(q, k, v, mask, dropout_p=dropout_p)
         else:
             y = document_mask.attend(q, k, v, mask, dropout_p=dropout_p)
         y = y.transpose(1, 2).reshape(B, T, -1)
@@ -218,10 +218,11 @@ class GPT(nn.Module):
         packed batch's positions within each sample (data/batch.py); each sample then attends only to itself."""
         if self.tok_emb is not None:
             pos = torch.arange(x.size(1), device=x.device) if positions is None else positions
-            if self.context_parallel is not None:  # this rank's part of the sequence: its place in the whole
-                pos = self.context_parallel.positions(x.size(1), x.device)
+            if self.context_parallel is not None:  # this rank's part of the sequence: its place in the whole (or its
+                pos = self.context_parallel.positions(x.size(1), x.device, positions)  # part of a packed batch's)
             x = self.drop(self.tok_emb(x) + self.pos_emb(pos))
-        # Once per forward (every stage of a pipeline builds its own); flex attention has no dropout.
+        # Once per forward (every stage of a pipeline builds its own); flex attention has no dropout. Under context
+        # parallelism `positions` are the whole sequence's, as attention sees it after its exchange.
         mask = document_mask.for_positions(positions, flex=False if self.training and self.dropout_p else None)
         for name, block in self.blocks.items():
             # model.activation_checkpointing: keep less for backward and rerun the block's forward there (same dropout
