@@ -1,6 +1,6 @@
 """Context parallelism (parallel.cp) for a Hub Llama and for samples: packed documents and padded rows.
 
-A tiny chat Llama is made here (tests/hf_tiny.py) with Shakespeare's lines as conversations. In process: the Llama's
+test_finetune.py's tiny chat Llama and Shakespeare's lines as conversations serve here. In process: the Llama's
 forward on cp parts (the ranks as threads) equals its whole forward, unpacked and packed. Real launches (gloo): the
 Llama on packed chat rows at cp=2 equals one process (losses, evaluation, final weights); slow: the Llama on padded
 rows, the GPT on packed rows, and a cp=2 checkpoint of the Llama going on on one process.
@@ -8,7 +8,6 @@ rows, the GPT on packed rows, and a cp=2 checkpoint of the Llama going on on one
 
 from __future__ import annotations
 
-import json
 import threading
 
 import pytest
@@ -19,20 +18,14 @@ import hf_tiny
 from helpers import check, launch_env, run, summary, train_losses, warm_cmd
 from parallel_train.errors import UserError
 from test_context_parallel import ThreadGroup
+from test_finetune import LORA
 
 transformers = pytest.importorskip("transformers")
-
-T = 128
 
 
 @pytest.fixture(scope="module")
 def chat(tmp_path_factory):
-    """{"model": a tiny chat Llama folder, "rows": a jsonl of 40 conversations, "tmp"}."""
-    tmp = tmp_path_factory.mktemp("cp_hf")
-    folder = hf_tiny.make_chat_model(tmp / "chat_llama")
-    rows = tmp / "chats.jsonl"
-    rows.write_text("".join(json.dumps(r) + "\n" for r in hf_tiny.conversations(40, turns=2)))
-    return {"model": folder, "rows": rows, "tmp": tmp}
+    return hf_tiny.chat_files(tmp_path_factory.mktemp("cp_hf"))
 
 
 def llama(folder):
@@ -81,24 +74,8 @@ def test_a_llama_whose_heads_cp_does_not_divide_is_a_one_line_error(chat):
 
 # ---------------------------------------------------------------- real launches
 
-CHAT = (
-    "model.name=hf",
-    f"model.block_size={T}",
-    "data.format=chat",
-    "data.truncate=true",
-    "train.batch_size=4",
-    "train.max_steps=6",
-    "train.warmup_steps=1",
-    "train.lr_decay_steps=6",
-    "train.optimizer=sgd",  # SGD: Adam would blow float noise in tiny gradients up into full steps
-    "train.learning_rate=0.5",
-    "train.log_interval=1",
-    "eval.interval=3",
-    "eval.iters=2",
-    "eval.batch_size=4",
-    "checkpoint.interval=3",
-    "tracker=none",
-)
+# test_finetune's chat launches, every weight trained (no LoRA), padded unless PACKED
+CHAT = (*(k for k in LORA if not k.startswith(("model.lora_rank", "data.packing", "train.learning_rate"))), "train.learning_rate=0.5")
 PACKED = ("data.packing=true",)
 
 
