@@ -291,7 +291,7 @@ def test_gpu_long_context_dry_run_end_to_end(tmp_path):
     out = tmp_path / "long_context"
     r = check(
         run(
-            ["bash", "scripts/bench/gpu_long_context.sh", "--dry-run", "--out", str(out)],
+            ["bash", "scripts/bench/gpu_long_context.sh", "--dry-run", str(out)],
             env=launch_env(tmp_path, PYTHON=PYTHON),
             timeout=900,
         )

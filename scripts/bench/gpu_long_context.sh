@@ -4,39 +4,28 @@
 # lengths under cp=1, 2 and 4 (as many as the GPUs allow), full activation checkpointing, bf16. Prints rank 0's peak
 # memory (torch.cuda.max_memory_allocated) and tokens/s per cell: the peak should fall about as 1/cp at one length.
 #
-#   bash scripts/bench/gpu_long_context.sh                 on a GPU machine (medium model: 8 layers, 1024 wide, ~0.1B)
-#   bash scripts/bench/gpu_long_context.sh --dry-run       anywhere: tiny model, short lengths, on CPU (gloo)
-#   bash scripts/bench/gpu_long_context.sh --steps 10 --out runs/gpu_long_context
+#   bash scripts/bench/gpu_long_context.sh [OUT_DIR]            on a GPU machine (medium model: 8 layers, 1024 wide, ~0.1B)
+#   bash scripts/bench/gpu_long_context.sh --dry-run [OUT_DIR]  anywhere: tiny model, short lengths, on CPU (gloo)
 #
-# Environment: PYTHON (default .venv/bin/python, else python3), LENGTHS (default "8192 16384 32768 65536"; dry run
-# "64 128"), CPS (default "1 2 4", each kept where the GPUs suffice). A cell that runs out of memory says failed.
+# Environment: PYTHON (default .venv/bin/python, else python3), STEPS (default 6; dry run 2), LENGTHS (default
+# "8192 16384 32768 65536"; dry run "64 128"), CPS (default "1 2 4", each kept where the GPUs suffice). A cell that
+# runs out of memory says failed. Results: OUT_DIR/gpu_long_context.md and .json, one run folder and log per cell.
 set -euo pipefail
-
 cd "$(dirname "$0")/../.."
-DRY_RUN=0
-STEPS=""
-OUT=runs/gpu_long_context
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --dry-run) DRY_RUN=1 ;;
-    --steps) STEPS="$2"; shift ;;
-    --out) OUT="$2"; shift ;;
-    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    *) echo "error: unknown argument '$1' (use --dry-run, --steps N, --out DIR)" >&2; exit 2 ;;
-  esac
-  shift
-done
-
-if [ -z "${PYTHON:-}" ]; then
-  if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
-fi
-TORCHRUN="$(dirname "$PYTHON")/torchrun"
-[ -x "$TORCHRUN" ] || TORCHRUN="$PYTHON -m torch.distributed.run"
+case "${1:-}" in
+  --dry-run) DRY_RUN=1; OUT=${2:-runs/gpu_long_context_dry} ;;
+  -*) echo "error: unknown argument '$1' (use --dry-run [OUT_DIR], or OUT_DIR)" >&2; exit 2 ;;
+  *) DRY_RUN=0; OUT=${1:-runs/gpu_long_context} ;;
+esac
+PY=${PYTHON:-.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+TORCHRUN=${TORCHRUN:-$(dirname "$PY")/torchrun}
+[ -x "$TORCHRUN" ] || TORCHRUN="$PY -m torch.distributed.run"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
 echo "== environment"
-"$PYTHON" -c "import torch; print(f'torch {torch.__version__} | CUDA GPUs {torch.cuda.device_count()}' + ''.join(f' | {torch.cuda.get_device_name(i)}' for i in range(torch.cuda.device_count())))"
-NGPU=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
+"$PY" -c "import torch; print(f'torch {torch.__version__} | CUDA GPUs {torch.cuda.device_count()}' + ''.join(f' | {torch.cuda.get_device_name(i)}' for i in range(torch.cuda.device_count())))"
+NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 if [ "$DRY_RUN" = 1 ]; then
   LENGTHS=${LENGTHS:-"64 128"}
   STEPS=${STEPS:-2}
@@ -58,7 +47,7 @@ CPS=${CPS:-"1 2 4"}
 # ---- the model, built locally: a Llama (GQA, RoPE) whose heads cp=4 divides, and its tokenizer
 mkdir -p "$OUT"
 MODEL="$OUT/llama_$SIZE"
-"$PYTHON" - "$MODEL" "$SIZE" <<'PY'
+"$PY" - "$MODEL" "$SIZE" <<'PY'
 import sys
 from pathlib import Path
 
@@ -95,7 +84,7 @@ for cp in $CPS; do
           "train.max_steps=$STEPS" "train.lr_decay_steps=$STEPS" train.warmup_steps=1 train.log_interval=1
           eval.interval=0 eval.iters=1 checkpoint.interval=0 tracker=none resume=none "output_dir=$run_dir")
     [ "$DRY_RUN" = 1 ] && args+=(train.mixed_precision=no)
-    port=$("$PYTHON" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+    port=$("$PY" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
     echo "== $cell: $TORCHRUN --nproc-per-node $cp train.py ${args[*]}"
     if $TORCHRUN --nproc-per-node "$cp" --master-port "$port" train.py "${args[@]}" > "$run_dir.log" 2>&1; then
       echo "$cell ok $cp $T" >> "$OUT/cells.txt"
@@ -106,7 +95,7 @@ for cp in $CPS; do
 done
 
 # ---- the table
-"$PYTHON" - "$OUT" "$DRY_RUN" "$STEPS" <<'PY'
+"$PY" - "$OUT" "$DRY_RUN" "$STEPS" <<'PY'
 import json, sys
 from pathlib import Path
 
