@@ -67,9 +67,14 @@ def test_a_llama_on_cp_parts_equals_its_whole_forward(chat, packed):
     torch.testing.assert_close(torch.cat(got, dim=1), want)
 
 
-def test_a_llama_whose_heads_cp_does_not_divide_is_a_one_line_error(chat):
+def test_what_the_exchange_cannot_cut_is_a_one_line_error(chat, tmp_path):
     with pytest.raises(UserError, match=r"parallel.cp=4: .* has 4 attention heads and 2 key/value heads; cp must divide both"):
         llama(chat["model"]).use_context_parallel(ThreadGroup(0, 4, {}, None))
+    moe = hf_tiny.save_model(hf_tiny.qwen3_moe_config(), tmp_path / "moe")
+    with pytest.raises(UserError, match=r"parallel.cp=2: .* \(qwen3_moe\): context parallelism runs the causal decoders of a known layout"):
+        llama(moe).use_context_parallel(ThreadGroup(0, 2, {}, None))
+    with pytest.raises(UserError, match=r"parallel.cp=2: the data gives dict batches \(input_ids, labels\)"):
+        ThreadGroup(0, 2, {}, None).cut_batch({"input_ids": torch.zeros(1, 4), "labels": torch.zeros(1, 4)})
 
 
 # ---------------------------------------------------------------- real launches
@@ -137,3 +142,16 @@ def test_the_gpt_on_packed_chat_rows_at_cp_2_equals_one_process(launches, chat):
     out, log = launches("gpt_cp2_packed", 2, *gpt, "parallel.cp=2")
     assert "context parallel over 2 ranks" in log and "packed into" in log
     assert_same_training(out, launches("gpt_ref_packed", 1, *gpt)[0])
+
+
+def test_the_long_context_recipe_is_laid_out_for_8_gpus():
+    """configs/long_context.yaml (its run on a tiny Llama: tests/test_recipes.py): 32k+ tokens, cp=4 x dp_shard=2 on 8
+    ranks, which the config's own checks accept, full activation checkpointing, bf16."""
+    from parallel_train.config.load import load_config
+    from parallel_train.parallel.context_parallel import refuse_unsupported
+    from parallel_train.parallel.mesh import MeshLayout, resolve_layout
+
+    cfg, _ = load_config(["--config", "configs/long_context.yaml"])
+    assert cfg.model.name == "hf" and cfg.model.block_size >= 32768 and cfg.model.activation_checkpointing == "full"
+    assert cfg.train.mixed_precision == "bf16" and resolve_layout(cfg, 8, env={}) == MeshLayout(dp_shard=2, cp=4)
+    refuse_unsupported(cfg, 8)

@@ -50,7 +50,7 @@ def use(model: nn.Module, cp) -> None:
     exchange cannot cut (decided from the config: every rank raises alike)."""
     text = model.hf.config.get_text_config()
     what = f"parallel.cp={cp.size}: model.hf_path {model.hf_path!r} ({text.model_type})"
-    if model.layout is None:
+    if model.layout is None:  # a Hub mixture of experts among them (none has a layout): its balancing loss counts whole rows
         raise UserError(
             f"{what}: context parallelism runs the causal decoders of a known layout (Llama, Mistral, Qwen, GPT-2); set parallel.cp=1"
         )

@@ -26,6 +26,8 @@ the whole batch (step.py counts each cp group's batch once), and the gradients o
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from parallel_train.errors import UserError
@@ -70,6 +72,11 @@ class ContextParallel:
     def cut_batch(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """An (inputs, targets[, positions]) batch (refuse_unsupported leaves no other kind): this rank's part of the
         inputs and targets; a packed batch's positions whole (the model cuts them, and masks by all of them)."""
+        if isinstance(batch, Mapping):
+            raise UserError(
+                f"parallel.cp={self.size}: the data gives dict batches ({', '.join(batch)}), which context parallelism does not "
+                "cut; give (inputs, targets[, positions]) tuples or set parallel.cp=1"
+            )
         return (self.cut(batch[0]), self.cut(batch[1]), *batch[2:])
 
     def gather(self, part: torch.Tensor) -> torch.Tensor:
