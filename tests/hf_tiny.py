@@ -149,6 +149,16 @@ def make_chat_model(folder: Path, seed: int = 0) -> Path:
     return save_model(llama_config(), folder, chat_tokenizer(), seed=seed)
 
 
+def chat_files(tmp: Path) -> dict:
+    """{"model": a tiny chat Llama folder, "rows": a jsonl of 60 one- or two-exchange conversations, "tmp": tmp}."""
+    import json
+
+    folder = make_chat_model(tmp / "chat_llama")
+    rows = tmp / "chats.jsonl"
+    rows.write_text("".join(json.dumps(r) + "\n" for r in conversations(60, turns=2)))
+    return {"model": folder, "rows": rows, "tmp": tmp}
+
+
 def conversations(n: int, seed: int = 0, turns: int = 3) -> list[dict]:
     """n rows {"messages": [...]}: a system line, then `turns` user/assistant exchanges of Shakespeare's lines."""
     import random

@@ -70,7 +70,6 @@ def cfg_with(**keys) -> Config:
         (2, {"parallel__cp": 2, "model__block_size": 15}, r"parallel.cp=2 does not divide model.block_size=15"),
         (2, {"parallel__cp": 2, "model__n_head": 3, "model__n_embd": 48}, r"parallel.cp=2 does not divide model.n_head=3"),
         (2, {"parallel__cp": 2, "parallel__stage_devices": ["cpu", "cpu"]}, r"does not combine with parallel.stage_devices"),
-        (2, {"parallel__cp": 2, "data__packing": True}, r"does not combine with data.format chat/instruction and data.packing"),
         (2, {"parallel__cp": 2, "model__n_experts": 2}, r"does not combine with model.n_experts"),
         (3, {"parallel__cp": 2}, r"parallel.cp=2 does not divide the world size 3"),
     ],

@@ -37,11 +37,7 @@ T = 128
 @pytest.fixture(scope="module")
 def chat(tmp_path_factory):
     """{"model": a tiny chat Llama folder, "rows": a jsonl of 60 one- or two-exchange conversations, "tmp"}."""
-    tmp = tmp_path_factory.mktemp("finetune")
-    folder = hf_tiny.make_chat_model(tmp / "chat_llama")
-    rows = tmp / "chats.jsonl"
-    rows.write_text("".join(json.dumps(r) + "\n" for r in hf_tiny.conversations(60, turns=2)))
-    return {"model": folder, "rows": rows, "tmp": tmp}
+    return hf_tiny.chat_files(tmp_path_factory.mktemp("finetune"))
 
 
 def lora_cfg(folder, **keys):

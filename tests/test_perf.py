@@ -282,3 +282,21 @@ def test_gpu_bench_dry_run_end_to_end(tmp_path):
     assert all(c["status"] == "ok" and c["tokens_per_sec"] > 0 for c in cells)
     assert (out / "gpu_bench.md").read_text().count("| ok |") == 4
     assert os.access(REPO / "scripts" / "bench/gpu_bench.sh", os.X_OK)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_gpu_long_context_dry_run_end_to_end(tmp_path):
+    """scripts/bench/gpu_long_context.sh --dry-run on CPU: a Llama built locally, cp=1 and cp=2 at two lengths, the table."""
+    out = tmp_path / "long_context"
+    r = check(
+        run(
+            ["bash", "scripts/bench/gpu_long_context.sh", "--dry-run", str(out)],
+            env=launch_env(tmp_path, PYTHON=PYTHON),
+            timeout=900,
+        )
+    )
+    assert "DRY RUN" in r.stdout
+    cells = json.loads((out / "gpu_long_context.json").read_text())["cells"]
+    assert {(c["cp"], c["length"]) for c in cells} == {(1, 64), (1, 128), (2, 64), (2, 128)}
+    assert all(c["status"] == "ok" and c["tokens_per_sec"] > 0 for c in cells), cells

@@ -31,7 +31,7 @@ PEOPLE, PLACES = ("brutus", "marcius", "juliet"), ("rome", "verona", "mantua")  
 STEPS = 48
 # Each recipe of configs/ and the model family of its model.hf_path, whose tiny stand-in runs it (the fixture below;
 # cv_example's in tests/test_image_data.py).
-FAMILIES = {"nlp_example": "bert", "ner_example": "bert", "mlm_example": "roberta", "cv_example": "resnet"}
+FAMILIES = {"nlp_example": "bert", "ner_example": "bert", "mlm_example": "roberta", "cv_example": "resnet", "long_context": "llama"}
 LAYOUTS = {  # the same global batch of 16 on each
     "one": (1, ("train.batch_size=16",)),
     "ddp": (2, ("train.batch_size=8",)),
@@ -69,7 +69,7 @@ def ner_row(rng: random.Random) -> dict:
 @pytest.fixture(scope="module")
 def made(tmp_path_factory) -> dict[str, Path]:
     """Model folders (a BERT with every pretrained head, pooler and MLM head, as docs/guide.md saves bert-base-cased; a
-    masked-LM RoBERTa; a T5; each with a BERT WordPiece tokenizer) and the recipes' data folders."""
+    masked-LM RoBERTa; a T5; a Llama; each with a BERT WordPiece tokenizer) and the recipes' data folders."""
     root = tmp_path_factory.mktemp("recipes")
     tok = hf_tiny.bert_tokenizer(vocab_size=hf_tiny.VOCAB)  # as many ids as the models' embeddings
     specials = {"mask_token": "[MASK]", "pad_token": "[PAD]", "cls_token": "[CLS]", "sep_token": "[SEP]", "unk_token": "[UNK]"}
@@ -77,6 +77,7 @@ def made(tmp_path_factory) -> dict[str, Path]:
         "bert": hf_tiny.save_task_model(hf_tiny.bert_config(), "AutoModelForPreTraining", root / "bert"),
         "roberta": hf_tiny.save_task_model(hf_tiny.roberta_config(), "AutoModelForMaskedLM", root / "roberta"),
         "t5": hf_tiny.save_task_model(hf_tiny.t5_config(), "AutoModelForSeq2SeqLM", root / "t5"),
+        "llama": hf_tiny.save_model(hf_tiny.llama_config(), root / "llama"),  # long_context's decoder
     }
     for folder in folders.values():
         tok.save(str(folder / "tokenizer.json"))
@@ -251,3 +252,24 @@ def test_masked_lm_and_seq2seq_train_and_export_alike_on_one_and_two_processes(m
     for out, _ in runs.values():
         assert len(train_losses(out)) == 2 and getattr(transformers, auto).from_pretrained(out / "hf") is not None
         assert [r for r in read_metrics(out) if r["kind"] == "eval"]
+
+
+# ---------------------------------------------------------------- long_context: a Llama at cp=2
+
+
+@pytest.mark.slow
+def test_long_context_runs_at_cp_2_as_on_one_process(made, tmp_path_factory):
+    """The recipe at block size 32 on the tiny Llama: cp=2 (the recipe's layout, 2 ranks: its cp=4 x dp_shard=2 needs 8)
+    equals one process within 1e-5 in fp32; in its own bf16 it trains (the loss falls)."""
+    args = tiny("long_context", made["llama"], REPO / "data" / "tinyshakespeare.txt", 8, 1e-3)
+    fp32 = ("parallel.dp_shard=1", "train.mixed_precision=no")
+    layouts = {
+        "one": (1, ("parallel.cp=1", *fp32)),
+        "cp2": (2, ("parallel.cp=2", *fp32)),
+        "cp2_bf16": (2, ("parallel.cp=2", "parallel.dp_shard=1")),
+    }
+    runs = launch_layouts(made, tmp_path_factory, "long_context", args, layouts)
+    assert "context parallel over 2 ranks" in runs["cp2"][1]
+    assert_layouts_equal({k: runs[k] for k in ("one", "cp2")}, ("val_loss",))
+    losses = train_losses(runs["cp2_bf16"][0])
+    assert losses[8] < losses[4], losses

@@ -137,7 +137,8 @@ def sample_datasets(cfg: Config, train: Samples, val: Samples, pad_id: int) -> t
         return PackedSamples(train, cfg.model.block_size, pad_id), PackedSamples(val, cfg.model.block_size, pad_id)
     # torch's pipeline schedules and torch.compile want one shape for every batch
     fixed = cfg.parallel.pipeline_stages > 1 or cfg.train.compile
-    align = math.lcm(ALIGN, cfg.parallel.tp)  # sequence parallel cuts every row into tp equal shards
+    # sequence parallel cuts every row into tp equal shards, context parallel into cp
+    align = math.lcm(ALIGN, cfg.parallel.tp, cfg.parallel.cp)
     return tuple(PaddedSamples(samples, cfg.model.block_size, pad_id, fixed, align) for samples in (train, val))
 
 

@@ -105,15 +105,17 @@ class CausalSelfAttention(nn.Module):
         # (B, T, heads x head_dim) -> (B, heads, T, head_dim); under tensor parallelism this rank's heads only
         q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
         if self.rope_theta is not None:
-            if positions is None:
-                cp = self.context_parallel
-                positions = torch.arange(T, device=x.device) if cp is None else cp.positions(T, x.device)
+            cp = self.context_parallel  # under cp: this rank's part of the positions (a packed batch's are whole here)
+            if cp is not None:
+                positions = cp.positions(T, x.device, positions)
+            elif positions is None:
+                positions = torch.arange(T, device=x.device)
             cos, sin = rotary.angles(positions, self.head_dim, self.rope_theta, q.dtype)
             q, k = rotary.rotate(q, cos, sin), rotary.rotate(k, cos, sin)
         # Fused attention: flash / memory-efficient kernels on GPU, a fused kernel on CPU.
         dropout_p = self.dropout if self.training else 0.0
         if self.context_parallel is not None:  # x is this rank's part of the sequence (parallel/context_parallel.py)
-            y = self.context_parallel.attend(q, k, v, dropout_p=dropout_p)
+            y = self.context_parallel.attend(q, k, v, mask, dropout_p=dropout_p)
         else:
             y = document_mask.attend(q, k, v, mask, dropout_p=dropout_p)
         y = y.transpose(1, 2).reshape(B, T, -1)
@@ -265,11 +267,12 @@ class GPT(nn.Module):
         if self.tok_emb is not None:
             # the ids' length (tensor parallelism returns the embedding cut by sequence)
             pos = torch.arange(x.size(1), device=x.device) if positions is None else positions
-            if self.context_parallel is not None:  # this rank's part of the sequence: its place in the whole
-                pos = self.context_parallel.positions(x.size(1), x.device)
+            if self.context_parallel is not None:  # this rank's part of the sequence: its place in the whole (or its
+                pos = self.context_parallel.positions(x.size(1), x.device, positions)  # part of a packed batch's)
             # gpt2 flavor: learned positions (llama: rotary, in each attention)
             x = self.drop(self.tok_emb(x) if self.pos_emb is None else self.tok_emb(x) + self.pos_emb(pos))
-        # Once per forward (every stage of a pipeline builds its own); flex attention has no dropout.
+        # Once per forward (every stage of a pipeline builds its own); flex attention has no dropout. Under context
+        # parallelism `positions` are the whole sequence's, as attention sees it after its exchange.
         mask = document_mask.for_positions(positions, flex=False if self.training and self.dropout_p else None)
         for name, block in self.blocks.items():
             # model.activation_checkpointing: keep less for backward and rerun the block's forward there (same dropout

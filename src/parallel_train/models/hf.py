@@ -48,6 +48,7 @@ from parallel_train.core.model_config import ModelConfig
 from parallel_train.core.task import DEFAULT, LABELLED, TASK_NAMES
 from parallel_train.errors import UserError
 from parallel_train.models import (
+    hf_context_parallel,
     hf_conversions,
     hf_export,
     hf_head,
@@ -168,6 +169,7 @@ class HFModel(nn.Module):
         self.hf_path, self.pretrained = cfg.hf_path, cfg.hf_pretrained
         self.lora = False  # set once the adapters are in (below): from then on checkpoints hold them only
         self.block_size = cfg.block_size
+        self.context_parallel = None  # parallel.cp > 1: which part of each sequence this rank holds (use_context_parallel)
         self.layout = hf_layouts.layout_for(hf) if self.task == DEFAULT else None  # the layouts are causal LMs'
         self.main_input = hf.main_input_name  # what x is: input_ids, pixel_values
         self.pipeline_groups = self.layout.groups if self.layout else ()
@@ -253,6 +255,10 @@ class HFModel(nn.Module):
                 )
             inputs = {**inputs, "position_ids": positions}
         return self.hf(**{self.main_input: x}, **inputs).logits
+
+    def use_context_parallel(self, cp) -> None:
+        """parallel.cp > 1: the inputs are this rank's part of each sequence; attention exchanges them (hf_context_parallel.py)."""
+        hf_context_parallel.use(self, cp)
 
     # What accelerate's FSDP2 preparation asks of a transformers model (its embeddings get FSDP units of their own).
     def get_input_embeddings(self) -> nn.Module:

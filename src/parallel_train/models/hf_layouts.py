@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallel_train.models import hf_tensor_parallel
+from parallel_train.models import hf_context_parallel, hf_tensor_parallel
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,7 @@ class LayerInputs:
         positions: torch.Tensor | None = None,
         padding=None,
         shards: int = 1,
+        context_parallel=None,
     ):
         self.base, self.layout, self.config = base, layout, config
         # `shards`: sequence parallel hands the layers 1/shards of the sequence (hf_tensor_parallel.py); attention
@@ -113,6 +114,9 @@ class LayerInputs:
         self.batch, self.length, self.dtype = hidden.shape[0], hidden.shape[1] * shards, hidden.dtype
         self.positions = positions  # a packed batch's (B, T), or None: 0..T-1
         self.padding = padding  # a dict batch's attention_mask (B, T), 1 = a real token, or None: no padding
+        # parallel.cp > 1: the hidden states are this rank's part of the sequence (`positions` the whole batch's); the
+        # attention function exchanges it for the whole (hf_context_parallel.py), so its mask is the whole sequence's.
+        self.context_parallel = context_parallel
         self.cache: dict[torch.device, dict[str, Any]] = {}
 
     def _masks(self, embeds: torch.Tensor) -> dict[str, Any]:
@@ -130,6 +134,8 @@ class LayerInputs:
         return masks
 
     def _compute(self, device: torch.device) -> dict[str, Any]:
+        if self.context_parallel is not None:
+            return self._compute_context_parallel(device)
         positions = torch.arange(self.length, device=device)[None] if self.positions is None else self.positions.to(device)
         # Only the shape, dtype and device of the hidden states matter to the masks and the rotary module.
         embeds = torch.empty(self.batch, self.length, 0, dtype=self.dtype, device=device)
@@ -139,6 +145,18 @@ class LayerInputs:
             where = next(rotary.buffers(), positions).device  # one rotary module serves stages on every device
             cos, sin = rotary(embeds.to(where), positions.to(where))
             out["position_embeddings"] = (cos.to(device), sin.to(device))
+        return out
+
+    def _compute_context_parallel(self, device: torch.device) -> dict[str, Any]:
+        cp, whole = self.context_parallel, None if self.positions is None else self.positions.to(device)
+        positions = cp.positions(self.length, device, whole)
+        positions = positions[None] if whole is None else positions
+        mask = hf_context_parallel.whole_mask(whole)
+        out = {"position_ids": positions, "masks": {"full_attention": mask}, "context_parallel": cp}
+        if self.layout.rotary:
+            embeds = torch.empty(self.batch, self.length, 0, dtype=self.dtype, device=device)
+            cos, sin = getattr(self.base, self.layout.rotary)(embeds, positions)
+            out["position_embeddings"] = (cos, sin)
         return out
 
     def for_layer(self, index: int, device: torch.device) -> dict[str, Any]:
@@ -160,14 +178,15 @@ def run_decoder(model: nn.Module, layout: Layout, config: Any, x: torch.Tensor, 
     a packed batch's (data/batch.py); `attention_mask`: a dict batch's padding; every stage receives both."""
     base = getattr(model, layout.base)
     h = x
+    cp = getattr(model, "context_parallel", None)  # parallel.cp > 1: x is this rank's part of the sequence
     if getattr(base, layout.embeddings[0]) is not None:
-        h = layout.embed(base, x, positions)
+        h = layout.embed(base, x, positions if cp is None else cp.positions(x.shape[1], x.device, positions))
         if getattr(model, "lora", False) and torch.is_grad_enabled() and not any(p.requires_grad for p in model.parameters()):
             h.requires_grad_()  # a LoRA pipeline stage with no adapter (the embedding alone): pipelining's backward needs a gradient
     layers = getattr(base, layout.layers)
     first = next(iter(layers), None)
     shards = hf_tensor_parallel.sequence_shards(first) if first is not None else 1
-    inputs = LayerInputs(base, layout, config, h, positions, attention_mask, shards) if first is not None else None
+    inputs = LayerInputs(base, layout, config, h, positions, attention_mask, shards, cp) if first is not None else None
     for key, layer in layers.named_children():
         device = _device_of(layer, h.device)
         h = layer(h.to(device), use_cache=False, **inputs.for_layer(int(key), device))

@@ -2,10 +2,16 @@
 
 The cp ranks of one group read the same batch (they are one data-parallel rank: parallel/mesh.py) and each keeps its
 own contiguous T/cp of every row, inputs and targets alike: rank r holds positions [r*T/cp, (r+1)*T/cp) and the
-GPT's position embedding takes exactly those. Everything but attention works token by token, so only attention
-talks: the Ulysses exchange (DeepSpeed-Ulysses). Before it each rank holds its part of the sequence for all heads;
-one all-to-all gives it the whole sequence for heads/cp of them, plain causal SDPA runs there (exact: the whole
-sequence is present), and a second all-to-all brings the output back to the rank's own part for all heads.
+model's positions (the GPT's position embedding, a Hub model's position_ids and so its rotary tables) are exactly
+those. A packed batch's positions (data.packing: each sample's own, restarting at 0) stay whole on every rank: the
+model takes its part's for the embedding and draws the whole sequence's document mask from all of them. Everything
+but attention works token by token, so only attention talks: the Ulysses exchange (DeepSpeed-Ulysses). Before it
+each rank holds its part of the sequence for all heads; one all-to-all gives it the whole sequence for heads/cp of
+them, plain causal SDPA runs there (exact: the whole sequence is present), within the whole sequence's document mask
+for a packed batch (models/document_mask.py), and a second all-to-all brings the output back to the rank's own part
+for all heads. A Hub model (model.name=hf) runs the same exchange as a transformers attention function
+(models/hf_context_parallel.py). Padded rows (chat, instruction) need nothing more: their padding comes after each
+sample's tokens and its targets are -100, and the padded width is a multiple of cp (data/sft.py).
 
 Why not torch's `context_parallel` (ring attention over DTensor): in torch 2.13 it runs on GPU kernels only. On CPU
 SDPA stops with "aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
@@ -23,10 +29,12 @@ the rank's T/cp further) and with pipeline stages (each stage's ranks hold T/cp)
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
-import torch.nn.functional as F
 
 from parallel_train.errors import UserError
+from parallel_train.models import document_mask
 
 
 def refuse_unsupported(cfg, world: int) -> None:
@@ -37,17 +45,16 @@ def refuse_unsupported(cfg, world: int) -> None:
         return
     rules = [
         (bool(p.stage_devices), "parallel.stage_devices: a pipeline in one process"),
-        (m.name != "gpt", f"model.name={m.name}: models other than the template's GPT"),
+        (m.name not in ("gpt", "hf"), f"model.name={m.name}: models other than the template's GPT and Hub decoders (model.name=hf)"),
         (m.task != "causal-lm", f"model.task={m.task}: tasks other than causal-lm"),
         (getattr(m, "n_experts", 0) > 0, "model.n_experts: a mixture of experts (its balancing loss counts whole batches)"),
-        (cfg.data.format != "text" or cfg.data.packing, "data.format chat/instruction and data.packing: padded or packed rows"),
     ]
     for bad, what in rules:
         if bad:
             raise UserError(f"parallel.cp={cp} does not combine with {what}; set parallel.cp=1 or leave that out")
     if m.block_size % cp:
         raise UserError(f"parallel.cp={cp} does not divide model.block_size={m.block_size}: each rank holds block_size/cp tokens")
-    if m.n_head % cp:
+    if getattr(m, "n_head", 0) % cp:  # a Hub model's heads: checked on its config (models/hf_context_parallel.py)
         raise UserError(f"parallel.cp={cp} does not divide model.n_head={m.n_head}: attention gives each rank n_head/cp whole heads")
     if world % cp:
         raise UserError(f"parallel.cp={cp} does not divide the world size {world}; launch a multiple of {cp} processes")
@@ -89,8 +96,14 @@ class ContextParallel:
         return t[:, self.rank * part : (self.rank + 1) * part]
 
     def cut_batch(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """A (inputs, targets) text batch: this rank's part of both (refuse_unsupported leaves no other kind)."""
-        return tuple(self.cut(t) for t in batch)
+        """An (inputs, targets[, positions]) batch (refuse_unsupported leaves no other kind): this rank's part of the
+        inputs and targets; a packed batch's positions whole (the model cuts them, and masks by all of them)."""
+        if isinstance(batch, Mapping):
+            raise UserError(
+                f"parallel.cp={self.size}: the data gives dict batches ({', '.join(batch)}), which context parallelism does not "
+                "cut; give (inputs, targets[, positions]) tuples or set parallel.cp=1"
+            )
+        return (self.cut(batch[0]), self.cut(batch[1]), *batch[2:])
 
     def gather(self, part: torch.Tensor) -> torch.Tensor:
         """The whole sequence (dim 1) from every rank's part (evaluation's logits; no gradient). Loss parallel's logits
@@ -107,8 +120,11 @@ class ContextParallel:
         torch.distributed.all_gather(parts, part.contiguous(), group=self.group)
         return torch.cat(parts, dim=1)
 
-    def positions(self, local: int, device: torch.device) -> torch.Tensor:
-        """The positions this rank's `local` tokens hold in the whole sequence."""
+    def positions(self, local: int, device: torch.device, whole: torch.Tensor | None = None) -> torch.Tensor:
+        """The positions of this rank's `local` tokens: their place in the whole sequence, or their part of a packed
+        batch's `whole` (B, T) positions (each sample's own)."""
+        if whole is not None:
+            return self.cut(whole)
         return torch.arange(self.rank * local, (self.rank + 1) * local, device=device)
 
     def _all_to_all(self, x: torch.Tensor) -> torch.Tensor:
@@ -117,11 +133,19 @@ class ContextParallel:
 
         return wait_tensor(all_to_all_single_autograd(x.contiguous(), None, None, self.group))
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
-        """Causal attention of (B, heads, T/cp, head_dim) parts of the whole sequence; returns this rank's part."""
-        q, k, v = (heads_to_sequence(t, self.size, self._all_to_all) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-        return sequence_to_heads(y, self.size, self._all_to_all)
+    def to_sequence(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, H, T/cp, D) all heads of this rank's part -> (B, H/cp, T, D) the whole sequence of its heads."""
+        return heads_to_sequence(t, self.size, self._all_to_all)
+
+    def to_heads(self, t: torch.Tensor) -> torch.Tensor:
+        """The inverse of to_sequence: (B, H/cp, T, D) -> (B, H, T/cp, D)."""
+        return sequence_to_heads(t, self.size, self._all_to_all)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, dropout_p: float = 0.0) -> torch.Tensor:
+        """Causal attention of (B, heads, T/cp, head_dim) parts of the whole sequence, within `mask`'s documents (the
+        whole sequence's: document_mask.for_positions; None: unpacked); returns this rank's part."""
+        q, k, v = (self.to_sequence(t) for t in (q, k, v))
+        return self.to_heads(document_mask.attend(q, k, v, mask, dropout_p=dropout_p))
 
 
 def on_mesh(mesh, layout, rank: int, modules) -> ContextParallel | None:
