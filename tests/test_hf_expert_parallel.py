@@ -1,0 +1,117 @@
+"""Expert parallelism for a Hugging Face MoE (parallel/hf_expert_parallel.py): a tiny Qwen3-MoE (tests/hf_tiny.py, saved
+by save_pretrained) from its weights, with the balancing loss on. ep=2 against one process in the default suite; under
+-m slow, Mixtral, ep=2 x dp_shard=2 (4 processes), DDP and FSDP2, what rank 0's checkpoint part holds, and resuming an
+ep=2 checkpoint on one process and the other way round."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import hf_tiny
+from helpers import check, launch_env, run, warm_cmd
+from test_expert_parallel import train_records
+from test_moe import RUN, assert_same
+
+pytest.importorskip("transformers")
+
+HUB = ("model.name=hf", "model.hf_path={folder}", "data.tokenizer=byte", "model.block_size=16", "model.moe_aux_loss_coef=0.1")
+LAUNCHES = {
+    "ref": (1, ()),
+    "ep2": (2, ("train.batch_size=2", "parallel.ep=2")),
+    "ddp": (2, ("train.batch_size=2",)),
+    "fsdp2": (2, ("train.batch_size=2", "parallel.dp_shard=2")),
+    "ep2_edp2": (4, ("train.batch_size=1", "parallel.ep=2", "parallel.dp_shard=4")),
+    "ep2_to_1": (1, ("resume={ep2}/checkpoints/step_0000003",)),
+    "1_to_ep2": (2, ("train.batch_size=2", "parallel.ep=2", "resume={ref}/checkpoints/step_0000003")),
+}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """(family, name) -> its output folder, each launch run once per module."""
+    outs: dict[tuple[str, str], object] = {}
+    folders: dict[str, object] = {}
+
+    def get(family: str, name: str):
+        if (family, name) not in outs:
+            if family not in folders:
+                folders[family] = hf_tiny.save_model(hf_tiny.MOE_CONFIGS[family](), tmp_path_factory.mktemp(family))
+            n, extra = LAUNCHES[name]
+            runs = {k: get(family, k) for k in ("ep2", "ref") if any("{" + k + "}" in e for e in extra)}
+            out = tmp_path_factory.mktemp(f"{family}_{name}")
+            keys = [k.format(folder=folders[family], **runs) for k in (*RUN, *HUB, *extra)]
+            check(run(warm_cmd(n, *keys, f"output_dir={out / 'out'}"), env=launch_env(out)))
+            outs[family, name] = out / "out"
+        return outs[family, name]
+
+    return get
+
+
+def assert_same_run(got, want) -> None:
+    """Losses, aux losses and expert loads step by step, and the final weights, within 1e-5."""
+    assert_same(train_records(got), train_records(want))
+    a, b = load_file(got / "model.safetensors"), load_file(want / "model.safetensors")
+    assert sorted(a) == sorted(b)
+    for key in b:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "family, name",
+    [("qwen3_moe", "ep2")]  # the layout's one default test
+    + [pytest.param(f, n, marks=pytest.mark.slow) for f in ("qwen3_moe", "mixtral") for n in ("ddp", "fsdp2", "ep2_edp2")]
+    + [pytest.param("mixtral", "ep2", marks=pytest.mark.slow)],
+)
+def test_a_hub_moe_under_ep_equals_one_process_with_the_balancing_loss_on(launched, family, name):
+    ref = launched(family, "ref")
+    records = train_records(ref)
+    assert records[-1]["loss"] != records[0]["loss"] and all(0.9 < r["aux_loss"] < 4 for r in records)
+    assert_same_run(launched(family, name), ref)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_under_ep2_rank_0_holds_half_the_experts(launched):
+    """Rank r's checkpoint part holds experts 2r and 2r+1 of every layer's fused expert weights (4 experts)."""
+    shards = launched("qwen3_moe", "ep2") / "checkpoints" / "step_0000003" / "shards"
+    for rank in (0, 1):
+        with safe_open(shards / f"rank0000{rank}-000.safetensors", "pt") as f:
+            offsets = json.loads(f.metadata()["DCP_SHARDING_INFO"])
+            for layer in (0, 1):
+                for weight in ("gate_up_proj", "down_proj"):
+                    name = f"model/model.layers.{layer}.mlp.experts.{weight}"
+                    assert f.get_slice(name).get_shape()[0] == 2 and offsets[name]["saved_offsets"][0] == 2 * rank
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_an_ep2_checkpoint_resumes_on_one_process_and_the_other_way_round(launched):
+    ref = train_records(launched("qwen3_moe", "ref"))
+    for name in ("ep2_to_1", "1_to_ep2"):  # a resume's log holds steps 4-6
+        assert_same([r for r in ref if r["step"] <= 3] + train_records(launched("qwen3_moe", name)), ref)
+
+
+def test_ep_refuses_lora_and_experts_it_cannot_split(tmp_path):
+    """In process: LoRA with ep, and ep not dividing a Hub model's experts (or a model without any), in one line each."""
+    from types import SimpleNamespace
+
+    from parallel_train.config.load import load_config
+    from parallel_train.errors import UserError
+    from parallel_train.models.hf import HFConfig, HFModel
+    from parallel_train.parallel.hf_expert_parallel import hub_experts, shard_hub_experts
+
+    with pytest.raises(UserError, match="parallel.ep=2 with model.lora_rank=4: LoRA is not built for expert parallelism"):
+        load_config(["model.name=hf", "model.hf_path=x", "model.lora_rank=4", "parallel.ep=2"])
+    folder = hf_tiny.save_model(hf_tiny.MOE_CONFIGS["qwen3_moe"](), tmp_path / "moe")
+    model = HFModel(HFConfig(name="hf", hf_path=str(folder), block_size=16, hf_pretrained=False), hf_tiny.VOCAB)
+    assert [tuple(p.shape[:1]) for m in hub_experts(model.hf) for p in m.parameters()] == [(4,)] * 4
+    with pytest.raises(UserError, match="parallel.ep=3: the Hugging Face model has 4 routed experts per layer"):
+        shard_hub_experts(model, None, 3)
+    with pytest.raises(UserError, match="has no routed experts"):
+        shard_hub_experts(SimpleNamespace(hf=torch.nn.Linear(2, 2)), None, 2)
