@@ -1,6 +1,6 @@
 """Expert parallelism for a Hugging Face MoE (parallel/hf_expert_parallel.py): a tiny Qwen3-MoE (tests/hf_tiny.py, saved
 by save_pretrained) from its weights, with the balancing loss on. ep=2 against one process in the default suite; under
--m slow, Mixtral, ep=2 x dp_shard=2 (4 processes), DDP and FSDP2, what rank 0's checkpoint part holds, and resuming an
+-m slow, Mixtral and DeepSeek-V3, ep=2 x dp_shard=2 (4 processes), DDP and FSDP2, what rank 0's checkpoint part holds, and resuming an
 ep=2 checkpoint on one process and the other way round."""
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def assert_same_run(got, want) -> None:
     "family, name",
     [("qwen3_moe", "ep2")]  # the layout's one default test
     + [pytest.param(f, n, marks=pytest.mark.slow) for f in ("qwen3_moe", "mixtral") for n in ("ddp", "fsdp2", "ep2_edp2")]
-    + [pytest.param("mixtral", "ep2", marks=pytest.mark.slow)],
+    + [pytest.param(f, "ep2", marks=pytest.mark.slow) for f in ("mixtral", "deepseek_v3")],
 )
 def test_a_hub_moe_under_ep_equals_one_process_with_the_balancing_loss_on(launched, family, name):
     ref = launched(family, "ref")
