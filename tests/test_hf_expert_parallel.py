@@ -28,6 +28,9 @@ LAUNCHES = {
     "ep2_edp2": (4, ("train.batch_size=1", "parallel.ep=2", "parallel.dp_shard=4")),
     "ep2_to_1": (1, ("resume={ep2}/checkpoints/step_0000003",)),
     "1_to_ep2": (2, ("train.batch_size=2", "parallel.ep=2", "resume={ref}/checkpoints/step_0000003")),
+    # from the config alone: each rank initialises its own experts' slices (keyed by name, as FSDP2's)
+    "scratch": (1, ("model.hf_pretrained=false",)),
+    "scratch_ep2": (2, ("model.hf_pretrained=false", "train.batch_size=2", "parallel.ep=2")),
 }
 
 
@@ -115,3 +118,9 @@ def test_ep_refuses_lora_and_experts_it_cannot_split(tmp_path):
         shard_hub_experts(model, None, 3)
     with pytest.raises(UserError, match="has no routed experts"):
         shard_hub_experts(SimpleNamespace(hf=torch.nn.Linear(2, 2)), None, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_hub_moe_from_its_config_under_ep2_equals_one_process(launched):
+    assert_same_run(launched("qwen3_moe", "scratch_ep2"), launched("qwen3_moe", "scratch"))
