@@ -1,6 +1,6 @@
 """Expert parallelism for a Hugging Face MoE (parallel/hf_expert_parallel.py): a tiny Qwen3-MoE (tests/hf_tiny.py, saved
 by save_pretrained) from its weights, with the balancing loss on. ep=2 against one process in the default suite; under
--m slow, Mixtral and DeepSeek-V3, ep=2 x dp_shard=2 (4 processes), DDP and FSDP2, what rank 0's checkpoint part holds, and resuming an
+-m slow, Mixtral and DeepSeek-V3, LoRA on attention, ep=2 x dp_shard=2 (4 processes), DDP and FSDP2, what rank 0's checkpoint part holds, and resuming an
 ep=2 checkpoint on one process and the other way round."""
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ LAUNCHES = {
     "ep2_to_1": (1, ("resume={ep2}/checkpoints/step_0000003",)),
     "1_to_ep2": (2, ("train.batch_size=2", "parallel.ep=2", "resume={ref}/checkpoints/step_0000003")),
     # from the config alone: each rank initialises its own experts' slices (keyed by name, as FSDP2's)
+    "lora": (1, ("model.lora_rank=4", "model.lora_targets=[q_proj,v_proj]")),
+    "lora_ep2": (2, ("model.lora_rank=4", "model.lora_targets=[q_proj,v_proj]", "train.batch_size=2", "parallel.ep=2")),
     "scratch": (1, ("model.hf_pretrained=false",)),
     "scratch_ep2": (2, ("model.hf_pretrained=false", "train.batch_size=2", "parallel.ep=2")),
 }
@@ -100,17 +102,14 @@ def test_an_ep2_checkpoint_resumes_on_one_process_and_the_other_way_round(launch
         assert_same([r for r in ref if r["step"] <= 3] + train_records(launched("qwen3_moe", name)), ref)
 
 
-def test_ep_refuses_lora_and_experts_it_cannot_split(tmp_path):
-    """In process: LoRA with ep, and ep not dividing a Hub model's experts (or a model without any), in one line each."""
+def test_ep_refuses_experts_it_cannot_split(tmp_path):
+    """In process: ep not dividing a Hub model's experts (or a model without any), in one line each."""
     from types import SimpleNamespace
 
-    from parallel_train.config.load import load_config
     from parallel_train.errors import UserError
     from parallel_train.models.hf import HFConfig, HFModel
     from parallel_train.parallel.hf_expert_parallel import hub_experts, shard_hub_experts
 
-    with pytest.raises(UserError, match="parallel.ep=2 with model.lora_rank=4: LoRA is not built for expert parallelism"):
-        load_config(["model.name=hf", "model.hf_path=x", "model.lora_rank=4", "parallel.ep=2"])
     folder = hf_tiny.save_model(hf_tiny.MOE_CONFIGS["qwen3_moe"](), tmp_path / "moe")
     model = HFModel(HFConfig(name="hf", hf_path=str(folder), block_size=16, hf_pretrained=False), hf_tiny.VOCAB)
     assert [tuple(p.shape[:1]) for m in hub_experts(model.hf) for p in m.parameters()] == [(4,)] * 4
@@ -124,3 +123,15 @@ def test_ep_refuses_lora_and_experts_it_cannot_split(tmp_path):
 @pytest.mark.multiprocess
 def test_a_hub_moe_from_its_config_under_ep2_equals_one_process(launched):
     assert_same_run(launched("qwen3_moe", "scratch_ep2"), launched("qwen3_moe", "scratch"))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_lora_on_attention_with_the_experts_frozen_and_split_under_ep2_equals_one_process(launched):
+    """The adapters train alike; the exported hf/ (adapters merged) equals one process's."""
+    got, want = launched("qwen3_moe", "lora_ep2"), launched("qwen3_moe", "lora")
+    assert_same_run(got, want)
+    a, b = load_file(got / "hf" / "model.safetensors"), load_file(want / "hf" / "model.safetensors")
+    assert a.keys() == b.keys() and any(".experts." in k for k in a)
+    for key in b:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-5)

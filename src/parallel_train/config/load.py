@@ -233,11 +233,6 @@ def validate(cfg: Config) -> None:
         "set model.name=gpt with model.n_experts > 0, or model.name=hf with a MoE, or parallel.ep=1",
     )
     check(
-        p.ep == 1 or not getattr(m, "lora_rank", 0),
-        f"parallel.ep={p.ep} with model.lora_rank={getattr(m, 'lora_rank', 0)}: LoRA is not built for expert parallelism here; "
-        "set parallel.ep=1 (FSDP2 shards the frozen experts), or model.lora_rank=0",
-    )
-    check(
         not experts or experts % p.ep == 0,
         f"model.n_experts={experts} is not divisible by parallel.ep={p.ep}: each EP rank holds n_experts / ep experts; choose them so",
     )
