@@ -1,11 +1,12 @@
 """Expert parallelism for a Hugging Face MoE (parallel/hf_expert_parallel.py): a tiny Qwen3-MoE (tests/hf_tiny.py, saved
 by save_pretrained) from its weights, with the balancing loss on. ep=2 against one process in the default suite; under
--m slow, Mixtral and DeepSeek-V3, LoRA on attention, ep=2 x dp_shard=2 (4 processes), DDP and FSDP2, what rank 0's checkpoint part holds, and resuming an
-ep=2 checkpoint on one process and the other way round."""
+-m slow, Mixtral and DeepSeek-V3, LoRA on attention, ep=2 x dp_shard=2 (4 processes), DDP and FSDP2, what rank 0's checkpoint part holds, resuming an ep=2
+checkpoint on one process and the other way round, and a rank whose experts get no tokens."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,8 @@ from test_expert_parallel import train_records
 from test_moe import RUN, assert_same
 
 pytest.importorskip("transformers")
+
+REPO = Path(__file__).resolve().parents[1]
 
 HUB = ("model.name=hf", "model.hf_path={folder}", "data.tokenizer=byte", "model.block_size=16", "model.moe_aux_loss_coef=0.1")
 LAUNCHES = {
@@ -135,3 +138,48 @@ def test_lora_on_attention_with_the_experts_frozen_and_split_under_ep2_equals_on
     assert a.keys() == b.keys() and any(".experts." in k for k in a)
     for key in b:
         torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-5)
+
+
+EMPTY_RANK = """
+import sys
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from transformers import Qwen3MoeConfig
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+from parallel_train.parallel.hf_expert_parallel import shard_hub_experts
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+holder = nn.Module()
+holder.experts = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=8, moe_intermediate_size=4, num_experts=4))
+nn.init.normal_(holder.experts.gate_up_proj), nn.init.normal_(holder.experts.down_proj)
+held = shard_hub_experts(SimpleNamespace(hf=holder), init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",)), 2)
+x = torch.randn(3, 8, requires_grad=True)
+index = torch.tensor([[0, 1]] * 3)  # every token to experts 0 and 1: rank 1 (experts 2, 3) gets no rows
+out = holder.experts(x, index, torch.full((3, 2), 0.5))
+out.sum().backward()
+assert x.grad.abs().sum() > 0 and all(p.grad is not None for p in held)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_rank_whose_experts_get_no_tokens_runs_the_backward_with_its_peers(tmp_path):
+    """Every token to experts 0 and 1 (rank 0's): rank 1 gets no rows, yet runs the all-to-all's backward and gets its
+    experts' (zero) gradients, as rank 0 does: no rank left waiting in a collective."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "empty_rank.py"
+    script.write_text(EMPTY_RANK)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

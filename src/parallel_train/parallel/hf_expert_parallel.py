@@ -63,8 +63,11 @@ class HubExpertExchange:
         recv = got_counts.view(ep, local).sum(dim=1).tolist()
         got = all_to_all(hidden_states[order // k], recv, send, self.group)
         ids = torch.arange(local, device=got.device).repeat(ep).repeat_interleave(got_counts).unsqueeze(-1)
-        with self.local_experts(got.dtype):
+        with self.local_experts(got.dtype) as weights:
             out = self.forward(got, ids, torch.ones(ids.shape, dtype=got.dtype, device=got.device))
+        # A rank whose experts got no rows (or missed one) still runs every backward collective, as its peers do: the
+        # rows and its experts kept in the graph at zero cost (transformers' AllToAllEP keeps its empty rows alike).
+        out = out + sum((w.sum() * 0 for w in weights if w.requires_grad), got.sum() * 0).to(out.dtype)
         back = all_to_all(out, send, recv, self.group)
         pairs = torch.empty_like(back).index_copy_(0, order, back).view(*top_k_index.shape, -1)
         return (pairs * top_k_weights.unsqueeze(-1).to(pairs.dtype)).sum(dim=1).to(hidden_states.dtype)
@@ -75,10 +78,11 @@ class HubExpertExchange:
         count theirs, for the length of its own forward."""
         m = self.experts
         held = dict(m._parameters)
-        m._parameters.update({name: scale_grad(local_tensor(p, dtype), 1.0 / self.dp) for name, p in held.items()})
+        local = {name: scale_grad(local_tensor(p, dtype), 1.0 / self.dp) for name, p in held.items()}
+        m._parameters.update(local)
         m.num_experts = self.n // self.ep
         try:
-            yield
+            yield list(local.values())
         finally:
             m._parameters.update(held)
             m.num_experts = self.n
