@@ -71,7 +71,9 @@ def test_what_the_exchange_cannot_cut_is_a_one_line_error(chat, tmp_path):
     with pytest.raises(UserError, match=r"parallel.cp=4: .* has 4 attention heads and 2 key/value heads; cp must divide both"):
         llama(chat["model"]).use_context_parallel(ThreadGroup(0, 4, {}, None))
     moe = hf_tiny.save_model(hf_tiny.qwen3_moe_config(), tmp_path / "moe")
-    with pytest.raises(UserError, match=r"parallel.cp=2: .* \(qwen3_moe\): context parallelism runs the dense causal decoders of a known layout"):
+    with pytest.raises(
+        UserError, match=r"parallel.cp=2: .* \(qwen3_moe\): context parallelism runs the dense causal decoders of a known layout"
+    ):
         llama(moe).use_context_parallel(ThreadGroup(0, 2, {}, None))
     with pytest.raises(UserError, match=r"parallel.cp=2: the data gives dict batches \(input_ids, labels\)"):
         ThreadGroup(0, 2, {}, None).cut_batch({"input_ids": torch.zeros(1, 4), "labels": torch.zeros(1, 4)})

@@ -31,7 +31,7 @@ def test_ep_takes_the_fsdp2_ranks_and_refuses_what_it_does_not_build():
     assert (got.dp_shard, got.ep, got.dp_replicate, got.sharded) == (2, 2, 1, True) and got.describe() == "dp_shard 2 x ep 2"
     assert layout(2, "parallel.ep=2", "parallel.dp_shard=2").ep == 2
     for keys, words in [
-        (("parallel.ep=2", "model.n_experts=0"), "parallel.ep=2: expert parallelism splits the GPT's experts"),
+        (("parallel.ep=2", "model.n_experts=0"), "parallel.ep=2: expert parallelism splits the GPT's or a Hugging Face MoE's experts"),
         (("parallel.ep=2", "model.n_experts=3"), "not divisible by parallel.ep=2"),
     ]:
         with pytest.raises(UserError, match=words):

@@ -227,10 +227,10 @@ def validate(cfg: Config) -> None:
         check(p.tp == 1, f"data.packing with parallel.tp={p.tp}: not supported here; use parallel.dp_shard, or data.packing=false")
     experts = getattr(m, "n_experts", 0)
     check(
-        p.ep == 1 or (cfg.model.name == "gpt" and experts),
-        f"parallel.ep={p.ep}: expert parallelism splits the GPT's experts, and "
-        f"{'model.n_experts=0 makes it dense' if cfg.model.name == 'gpt' else f'model.name={cfg.model.name} is not the GPT'}; "
-        "set model.name=gpt with model.n_experts > 0, or parallel.ep=1",
+        p.ep == 1 or (cfg.model.name == "gpt" and experts) or cfg.model.name == "hf",
+        f"parallel.ep={p.ep}: expert parallelism splits the GPT's or a Hugging Face MoE's experts, and "
+        f"{'model.n_experts=0 makes it dense' if cfg.model.name == 'gpt' else f'model.name={cfg.model.name} has none'}; "
+        "set model.name=gpt with model.n_experts > 0, or model.name=hf with a MoE, or parallel.ep=1",
     )
     check(
         not experts or experts % p.ep == 0,

@@ -52,8 +52,7 @@ def use(model: nn.Module, cp) -> None:
     what = f"parallel.cp={cp.size}: model.hf_path {model.hf_path!r} ({text.model_type})"
     if model.layout is None or hf_moe.experts_and_top_k(text):  # a mixture of experts: its balancing loss counts whole rows
         raise UserError(
-            f"{what}: context parallelism runs the dense causal decoders of a known layout (Llama, Mistral, Qwen, GPT-2); "
-            "set parallel.cp=1"
+            f"{what}: context parallelism runs the dense causal decoders of a known layout (Llama, Mistral, Qwen, GPT-2); set parallel.cp=1"
         )
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads

@@ -35,6 +35,7 @@ from parallel_train.config.sections import Config
 from parallel_train.errors import UserError
 from parallel_train.parallel.context_parallel import refuse_compositions, refuse_unsupported
 from parallel_train.parallel.expert_parallel import check_expert_layout
+from parallel_train.parallel.hf_expert_parallel import check_hub_layout
 
 DIMS = ("dp_replicate", "dp_shard", "cp", "pp", "tp")
 TRUE = ("1", "true", "yes")
@@ -138,6 +139,7 @@ def resolve_layout(cfg: Config, world: int, env: dict[str, str] | None = None) -
             )
         r = world // (pp * cp)  # plain data parallelism: replicas fill the world
     check_expert_layout(p.ep, s)
+    check_hub_layout(cfg.model.name, p.ep, r, t, pp)
     refuse_compositions(cfg, t, pp)
     layout = MeshLayout(dp_replicate=r, dp_shard=s, cp=cp, pp=pp, tp=t, ep=p.ep)
     if layout.world != world:

@@ -33,6 +33,7 @@ from torch import nn
 from parallel_train.errors import UserError
 from parallel_train.losses import plain_cross_entropy
 from parallel_train.parallel.expert_parallel import shard_experts
+from parallel_train.parallel.hf_expert_parallel import shard_hub_experts
 from parallel_train.parallel.mesh import MeshLayout, data_parallel_mesh
 from parallel_train.parallel.parts import fsdp_units
 
@@ -202,7 +203,8 @@ def parallelize(
 
         options = {"mesh": data_parallel_mesh(mesh, layout), "reshard_after_forward": reshard_after_forward}
         dp = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
-        options["ignored_params"] = shard_experts(model, dp, layout.ep) or None  # EP holds them instead
+        experts = shard_experts(model, dp, layout.ep) | shard_hub_experts(model, mesh["dp_shard"], layout.ep)
+        options["ignored_params"] = experts or None  # EP holds them instead
         options["mp_policy"] = mp_policy or MixedPrecisionPolicy()
         for block in fsdp_units(model):
             fully_shard(block, **options)
