@@ -173,3 +173,42 @@ def test_the_memory_estimate_under_ep_holds_half_the_experts_and_gathers_none():
     ep, fsdp = rank0("parallel.ep=2"), rank0("parallel.dp_shard=2")
     experts = 4 * (32 * 128 * 2 + 128 + 32)  # one layer's fc, proj and their biases, all 4 experts
     assert ep.param_numel == fsdp.param_numel and fsdp.fsdp_buffers - ep.fsdp_buffers == 2 * 4 * experts
+
+
+@pytest.mark.parametrize(("world", "dtype"), [(4, torch.float32), (2, torch.bfloat16)])
+def test_a_checkpointed_moe_block_frees_its_gathered_experts_after_its_forward(monkeypatch, world, dtype):
+    """ep=2 x edp=2 (the experts gathered over edp) and ep=2 under bf16 (cast to the rows' dtype): after a checkpointed
+    MoE block's forward no gathered copy is alive (backward's recomputation gathers them again); without checkpointing
+    autograd keeps each until the block's backward (the check's control). On the fake process group, rank 0."""
+    import gc
+    import weakref
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from parallel_train.models.activation_checkpoint import Checkpointing
+    from parallel_train.models.moe import MoE
+    from parallel_train.parallel import expert_parallel
+    from parallel_train.parallel.memory_estimate import fake_world
+
+    copies, gather = [], expert_parallel.local_tensor
+
+    def recorded(t, to):
+        out = gather(t, to)
+        if out is not None:  # no gate: not the llama flavor
+            copies.append(weakref.ref(out.untyped_storage()))
+        return out
+
+    monkeypatch.setattr(expert_parallel, "local_tensor", recorded)
+    with fake_world(world):
+        moe = MoE(16, 64, 4, 2, bias=True, dropout=0.0)
+        moe.init_weights(0.02, 0.02)
+        moe.router.to(dtype)  # FSDP2's bf16 policy casts the dense layers; the experts are cast by local_tensor
+        expert_parallel.shard_experts(moe, init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",)), 2)
+        alive = {}
+        for mode in ("full", "none"):
+            copies.clear()
+            out = Checkpointing(mode).run(0, moe, torch.randn(8, 16, dtype=dtype, requires_grad=True))
+            gc.collect()
+            alive[mode] = sum(ref() is not None for ref in copies)
+            del out
+    assert len(copies) == 4 and alive == {"full": 0, "none": 2}, alive  # fc and proj, which the matmuls save; the biases' adds save none

@@ -3,8 +3,8 @@ experts among them) on its fake tensors.
 
 - Context parallel (parallel/context_parallel.py): the estimate's forward takes rank 0's part of every sequence, as
   the mesh engine cuts the batch, through the model's own all-to-all exchange where it has one (Ulysses).
-- Expert parallel's experts, gathered whole in each block's forward over the ranks EP leaves, kept until the block's
-  backward (measured so, checkpointed blocks included; their recomputation gathers them once more).
+- Expert parallel's experts, gathered whole in each block's forward over the ranks EP leaves, counted as kept until the
+  block's backward, checkpointed blocks included (see `with_experts`: there the term stands in for uneven loads).
 - The all-to-all buffers of one layer at a time (context parallel's q, k, v and output; expert parallel's dispatched
   rows): transient, beside backward's other scratch.
 - transformers on fake tensors: its experts through its own grouped-matmul fallback (torch 2.13's meta kernel takes
@@ -76,9 +76,13 @@ def expert_copies(experts: dict[str, int], layout: MeshLayout, dtype_bytes: int)
 def with_experts(kept: PartBytes, plain: PartBytes, copies: dict[str, int]) -> tuple[PartBytes, PartBytes]:
     """`kept` and `plain` (the forward without checkpointing, what backward recomputes from) with each block's gathered
     experts (`copies`): held until the block's backward whatever the checkpointing, and gathered once more when
-    backward recomputes a checkpointed block (one that keeps less than `plain`). Measured so: the cell ep2xfsdp2-full of
-    scripts/bench/memory_matrix.py ran at 0.82 of its measured peak when a checkpointed block was counted as freeing
-    them after its forward."""
+    backward recomputes a checkpointed block (one that keeps less than `plain`). A checkpointed block in fact frees
+    them after its forward (tests/test_expert_parallel.py, and a run's resident memory after the forward), but its
+    recomputation meets the run's uneven loads, which the estimate's even expert groups leave out: in the cell
+    ep2xfsdp2-full of scripts/bench/memory_matrix.py rank 0 computes up to 7,576 rows in a layer where the even share
+    is 4,096, and the estimate ran at 0.82 of the measured peak without this term; with every load made even
+    (round-robin routing) rank 0's step peaks 60 MiB lower, and the estimate without this term is 0.95 of it. The
+    term stands in for the uneven loads until the estimate sizes them."""
     if not copies:
         return kept, plain
     again = {n: b for n, b in copies.items() if kept.kept.get(n, 0) < plain.kept.get(n, 0)}  # recomputed: a second copy
