@@ -4,9 +4,9 @@ overridden, on a tiny Qwen3-MoE with a chat tokenizer (tests/hf_tiny.py) and sho
 
 In process: the meta-device start with the experts' adapters gives from_pretrained's logits (the wrapped experts'
 weights are read under their files' names); a few steps train the adapters only, the experts' too; the export's hf/
-(merged) and adapter/ (peft) reload with the trained model's logits; the refusals. Launched: 1 process == FSDP2 on 2
-(parallel.ep=1: the recipe's ep=8 needs Hub expert parallelism), and hf/ differs from the base in the adapted weights
-only.
+(merged) and adapter/ (peft) reload with the trained model's logits; the refusals. Launched (-m slow): FSDP2 on 2
+processes (parallel.ep=1: the recipe's ep=8 needs Hub expert parallelism), whose hf/ differs from the base in the
+adapted weights only, equal to 1 process.
 """
 
 from __future__ import annotations
@@ -158,6 +158,9 @@ def assert_same_losses(runs, layout: str) -> None:
     assert len(want) == 3 and got.keys() == want.keys() and all(got[s] == pytest.approx(want[s], abs=1e-5) for s in want), (got, want)
 
 
+# Slow: the default suite runs the recipe under FSDP2 on 2 processes as docs/guide.md section 4b shows it
+# (tests/test_guide.py), and the adapters' export in process (above).
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_the_recipe_under_fsdp2_exports_attention_and_experts_adapted_and_nothing_else(made, runs):
     """2 processes, FSDP2 (parallel.ep=1): hf/ holds the per-expert layout from_pretrained reads, and differs from the
