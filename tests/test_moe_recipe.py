@@ -62,7 +62,8 @@ def tokens(seed: int = 0) -> torch.Tensor:
 def test_lora_on_attention_and_experts_starts_as_the_base_trains_only_adapters_and_exports_what_it_trained(made, tmp_path):
     """Meta-device start: the experts' wrapped weights (experts.base_layer.base_layer.gate_up_proj) are read from the
     per-expert files, so the logits are from_pretrained's. Three AdamW steps change the adapters only, the experts'
-    among them; hf/ (merged) and adapter/ (peft) give the trained model's logits."""
+    among them; a model started again and given the adapters (a resume), hf/ (merged) and adapter/ (peft) give the
+    trained model's logits."""
     from parallel_train.data.tokenizers import ByteVocab
 
     base = transformers.AutoModelForCausalLM.from_pretrained(made["model"])
@@ -85,9 +86,13 @@ def test_lora_on_attention_and_experts_starts_as_the_base_trains_only_adapters_a
     assert changed == set(trained)
     state = {k: v.detach() for k, v in model.state_dict().items()}
     assert set(state) == set(trained)  # checkpoints hold the adapters only
+    again, init = start_model(HFModel, lora(made["model"]), hf_tiny.VOCAB, seed=0)
+    init.fill(again, torch.device("cpu"))
+    again.load_state_dict(state)  # a resume: the base from the files, the adapters from the checkpoint
     HFModel.export(lora(made["model"]), state, tmp_path / "hf", ByteVocab())
     with torch.no_grad():
         want = model(x)
+        torch.testing.assert_close(again(x), want, rtol=0, atol=0)
         merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")(x).logits
         torch.testing.assert_close(merged, want, rtol=0, atol=1e-5)
         assert (merged - base(x).logits).abs().max() > 1e-3  # it trained
