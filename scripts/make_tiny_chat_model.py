@@ -3,13 +3,16 @@
 
     python scripts/make_tiny_chat_model.py models/tiny_chat data/chats.jsonl
     python scripts/make_tiny_chat_model.py models/small_chat data/chats.jsonl --layers 4 --width 256 --conversations 2000
+    python scripts/make_tiny_chat_model.py models/tiny_moe data/chats.jsonl --experts 8     # a Qwen3-MoE instead
 
 MODEL_DIR gets what a Hub model folder holds (`save_pretrained`): a Llama with random weights (config.json,
 model.safetensors) and its tokenizer, a byte-level BPE trained on Tiny Shakespeare that knows ChatML's two special
 tokens (<|im_start|>, <|im_end|>: the end of a turn, its end-of-sequence token) and carries the ChatML chat template
 (tokenizer.json, tokenizer_config.json, chat_template.jinja). CHATS_FILE gets one conversation per line,
 {"messages": [{"role": ..., "content": ...}, ...]}: a system line, then one to three exchanges of Shakespeare's
-lines, so samples have mixed lengths. Needs requirements-hf.txt.
+lines, so samples have mixed lengths. With --experts N the model is a Qwen3-MoE of N experts per layer (each token runs
+4 of them) instead of the Llama, saved as save_pretrained saves a Hub MoE (each expert's tensors apart).
+Needs requirements-hf.txt.
 """
 
 from __future__ import annotations
@@ -39,8 +42,11 @@ def parse() -> argparse.Namespace:
     p.add_argument("--width", type=int, default=64, help="hidden size (4 attention heads, 2 key/value heads)")
     p.add_argument("--vocab", type=int, default=512, help="token ids of the BPE (and rows of the embedding)")
     p.add_argument("--conversations", type=int, default=400, help="rows of the chat jsonl")
+    p.add_argument("--experts", type=int, default=0, help="0: a Llama; N: a Qwen3-MoE with N routed experts per layer, top-4")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the conversations")
     args = p.parse_args()
+    if args.experts < 0:
+        p.error(f"--experts: must be >= 0, got {args.experts}")
     for name in ("layers", "width", "vocab", "conversations"):
         if getattr(args, name) < 1:
             p.error(f"--{name}: must be >= 1, got {getattr(args, name)}")
@@ -92,28 +98,31 @@ def conversations(lines: list[str], n: int, seed: int) -> list[dict]:
 def main() -> None:
     args = parse()
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     lines = [line for line in (REPO / "data" / "tinyshakespeare.txt").read_text(encoding="utf-8").splitlines() if len(line) > 20]
     torch.manual_seed(args.seed)
-    config = LlamaConfig(
+    kind = "Qwen3Moe" if args.experts else "Llama"
+    mlp = dict(num_experts=args.experts, num_experts_per_tok=min(4, args.experts), moe_intermediate_size=args.width * 3 // 8)
+    config = getattr(transformers, f"{kind}Config")(
         vocab_size=args.vocab,
         hidden_size=args.width,
-        intermediate_size=2 * args.width,
+        **(mlp if args.experts else dict(intermediate_size=2 * args.width)),
         num_hidden_layers=args.layers,
         num_attention_heads=4,
         num_key_value_heads=2,
+        head_dim=args.width // 4,
         max_position_embeddings=1024,
         bos_token_id=0,
         eos_token_id=2,
         tie_word_embeddings=False,
     )
-    LlamaForCausalLM(config).save_pretrained(args.model_dir)
+    getattr(transformers, f"{kind}ForCausalLM")(config).save_pretrained(args.model_dir)
     tokenizer(args.vocab, lines).save_pretrained(args.model_dir)
     args.chats_file.parent.mkdir(parents=True, exist_ok=True)
     args.chats_file.write_text("".join(json.dumps(r) + "\n" for r in conversations(lines, args.conversations, args.seed)), encoding="utf-8")
     print(
-        f"a {args.layers}-layer Llama ({args.width} wide, {args.vocab} ids) in {args.model_dir}; {args.conversations} conversations in {args.chats_file}"
+        f"a {args.layers}-layer {'Qwen3-MoE' if args.experts else 'Llama'} ({args.width} wide, {args.vocab} ids) in {args.model_dir}; {args.conversations} conversations in {args.chats_file}"
     )
 
 

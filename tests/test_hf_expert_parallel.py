@@ -135,7 +135,9 @@ def test_a_hub_moe_ep_beside_tp_hsdp_or_stages_is_one_line(sizes):
     for key, value in sizes.items():
         section, name = key.split("__")
         setattr(getattr(cfg, section), name, value)
-    with pytest.raises(UserError, match=r"parallel.ep=2 with a Hugging Face MoE and .*: its experts are split over the dp_shard ranks alone"):
+    with pytest.raises(
+        UserError, match=r"parallel.ep=2 with a Hugging Face MoE and .*: its experts are split over the dp_shard ranks alone"
+    ):
         resolve_layout(cfg, 4, env={})
 
 

@@ -87,7 +87,7 @@ def test_no_host_read_on_a_step_that_neither_logs_nor_agrees(tmp_path, layout):
 
 
 def test_sync_debug_switch_is_checked_and_off_on_the_cpu(monkeypatch):
-    """PARALLEL_TRAIN_SYNC_DEBUG (set by scripts/bench/gpu_bench.sh and gpu_pipeline_bench.sh): a wrong value is one
+    """PARALLEL_TRAIN_SYNC_DEBUG (set by scripts/bench/gpu_bench.sh, gpu_pipeline_bench.sh and gpu_moe.sh): a wrong value is one
     line; on the CPU the switch is named and left off (set_sync_debug_mode is CUDA's)."""
     monkeypatch.delenv(SYNC_DEBUG, raising=False)
     assert sync_debug_mode(torch.device("cpu")) == (None, None)
@@ -100,7 +100,7 @@ def test_sync_debug_switch_is_checked_and_off_on_the_cpu(monkeypatch):
     assert sync_debug_mode(torch.device("cuda", 0)) == ("error", None)  # what a GPU run would set around its steps
     with sync_checked(None):  # off: nothing called
         pass
-    for script in ("scripts/bench/gpu_bench.sh", "scripts/bench/gpu_pipeline_bench.sh"):
+    for script in ("scripts/bench/gpu_bench.sh", "scripts/bench/gpu_pipeline_bench.sh", "scripts/bench/gpu_moe.sh"):
         text = open(os.path.join(os.path.dirname(__file__), "..", script)).read()
         assert f"export {SYNC_DEBUG}=" in text, script
 

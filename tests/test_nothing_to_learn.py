@@ -98,6 +98,8 @@ def test_every_json_file_the_template_writes_goes_through_json_text():
         "scripts/bench/rank_peak.py": 1,  # a rank's peak (integers) for the parent benchmark
         "scripts/bench/gpu_bench.sh": 2,  # its own python, without the package; its figures come from null-safe summary.json
         "scripts/bench/gpu_long_context.sh": 1,  # the same
+        "scripts/bench/gpu_moe.sh": 1,  # the same, for the MoE recipe's table
+        "scripts/bench/gpu_rank_peak.py": 1,  # a rank's GPU peaks (finite numbers) for the parent benchmark
     }
     found = {}
     for path in [*REPO.glob("src/**/*.py"), *REPO.glob("scripts/**/*.py"), *REPO.glob("scripts/**/*.sh")]:

@@ -300,3 +300,21 @@ def test_gpu_long_context_dry_run_end_to_end(tmp_path):
     cells = json.loads((out / "gpu_long_context.json").read_text())["cells"]
     assert {(c["cp"], c["length"]) for c in cells} == {(1, 64), (1, 128), (2, 64), (2, 128)}
     assert all(c["status"] == "ok" and c["tokens_per_sec"] > 0 for c in cells), cells
+
+
+def test_gpu_moe_dry_run_prints_the_recipes_commands_and_they_load():
+    """scripts/bench/gpu_moe.sh --dry-run (GPUS=2): the model build, then per cell (1 GPU; FSDP2 and expert parallel over 2) the estimate
+    and the launch of configs/moe_finetune.yaml with its model and data replaced; nothing runs. Each launch's keys load
+    (with the recipe's own Hub name for the model folder, which the dry run does not build)."""
+    r = check(run(["bash", "scripts/bench/gpu_moe.sh", "--dry-run"], env=launch_env(None, GPUS="2", PYTHON=PYTHON), timeout=60))
+    lines = r.stdout.splitlines()
+    assert "scripts/make_tiny_chat_model.py runs/gpu_moe/qwen3_moe runs/gpu_moe/chats.jsonl" in lines[0] and "--experts 32" in lines[0]
+    launches = [line.split(" scripts/bench/gpu_rank_peak.py ")[1].split() for line in lines if "gpu_rank_peak.py" in line]
+    assert len(launches) == 2 and sum("estimate_memory.py --world" in line for line in lines) == 2
+    for n, keys in zip((1, 2), launches, strict=True):
+        assert keys[:2] == ["--config", "configs/moe_finetune.yaml"] and f"parallel.dp_shard={n}" in keys
+        cfg, _ = load_config([k if not k.startswith("model.hf_path=") else "model.hf_path=Qwen/Qwen3-30B-A3B" for k in keys])
+        assert not cfg.model.lora_experts and (cfg.parallel.dp_shard, cfg.parallel.ep) == (n, n) and cfg.train.max_steps == 40
+    bad = run(["bash", "scripts/bench/gpu_moe.sh", "--nope"], env=launch_env(None), timeout=60)
+    assert bad.returncode == 2 and "unknown argument '--nope'" in bad.output
+    assert os.access(REPO / "scripts" / "bench" / "gpu_moe.sh", os.X_OK)

@@ -30,8 +30,16 @@ WORDS = "the you to and he no of be in that we for your with him it my is as his
 PEOPLE, PLACES = ("brutus", "marcius", "juliet"), ("rome", "verona", "mantua")  # the NER fixture's fixed map of words to tags
 STEPS = 48
 # Each recipe of configs/ and the model family of its model.hf_path, whose tiny stand-in runs it (the fixture below;
-# cv_example's in tests/test_image_data.py).
-FAMILIES = {"nlp_example": "bert", "ner_example": "bert", "mlm_example": "roberta", "cv_example": "resnet", "long_context": "llama"}
+# cv_example's in tests/test_image_data.py, moe_finetune's in tests/test_moe_recipe.py).
+FAMILIES = {
+    "nlp_example": "bert",
+    "ner_example": "bert",
+    "mlm_example": "roberta",
+    "cv_example": "resnet",
+    "long_context": "llama",
+    "moe_finetune": "qwen3_moe",
+}
+NAMES = {"qwen3_moe": "Qwen3-30B-A3B"}  # a family whose models' names do not start with its model_type
 LAYOUTS = {  # the same global batch of 16 on each
     "one": (1, ("train.batch_size=16",)),
     "ddp": (2, ("train.batch_size=8",)),
@@ -197,8 +205,8 @@ def test_each_recipe_runs_on_a_stand_in_of_its_own_model_family(made):
     recipes = {name: model["hf_path"] for name, model in recipes.items() if model.get("name") == "hf"}
     assert set(recipes) == set(FAMILIES), recipes
     for name, path in recipes.items():
-        assert Path(path).name.startswith(f"{FAMILIES[name]}-"), (name, path)
-        if name != "cv_example":  # its ResNet: tests/test_image_data.py
+        assert Path(path).name.startswith(NAMES.get(FAMILIES[name], f"{FAMILIES[name]}-")), (name, path)
+        if name not in ("cv_example", "moe_finetune"):  # their stand-ins: tests/test_image_data.py, tests/test_moe_recipe.py
             assert json.loads((made[FAMILIES[name]] / "config.json").read_text())["model_type"] == FAMILIES[name]
 
 

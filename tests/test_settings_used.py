@@ -52,6 +52,7 @@ CASES = {
     "model.lora_alpha": ("8", HF, [*HF, "model.lora_rank=4"]),
     "model.lora_dropout": ("0.1", HF, [*HF, "model.lora_rank=4"]),
     "model.lora_targets": ("[q_proj]", HF, [*HF, "model.lora_rank=4"]),
+    "model.lora_experts": ("true", HF, [*HF, "model.lora_rank=4"]),
     "train.beta1": ("0.8", ["train.optimizer=sgd"], []),
     "train.beta2": ("0.9", ["train.optimizer=sgd"], []),
     "train.weight_decay": ("0.0", ["train.optimizer=sgd"], []),

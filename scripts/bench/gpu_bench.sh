@@ -21,22 +21,10 @@ cd "$(dirname "$0")/../.."
 DRY_RUN=0
 STEPS=""
 OUT=runs/gpu_bench
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --dry-run) DRY_RUN=1 ;;
-    --steps) STEPS="$2"; shift ;;
-    --out) OUT="$2"; shift ;;
-    -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    *) echo "error: unknown argument '$1' (use --dry-run, --steps N, --out DIR)" >&2; exit 2 ;;
-  esac
-  shift
-done
-
-if [ -z "${PYTHON:-}" ]; then
-  if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
-fi
-TORCHRUN="$(dirname "$PYTHON")/torchrun"
-[ -x "$TORCHRUN" ] || TORCHRUN="$PYTHON -m torch.distributed.run"
+HELP_LINES=13
+# shellcheck source=scripts/bench/gpu_common.sh
+source scripts/bench/gpu_common.sh
+parse_gpu_args "$@"
 
 # ---- environment check: what a GPU figure means depends on all of this
 echo "== environment"

@@ -236,6 +236,11 @@ def validate(cfg: Config) -> None:
         not experts or experts % p.ep == 0,
         f"model.n_experts={experts} is not divisible by parallel.ep={p.ep}: each EP rank holds n_experts / ep experts; choose them so",
     )
+    check(
+        not (getattr(m, "lora_experts", False) and p.ep > 1),
+        f"model.lora_experts with parallel.ep={p.ep}: the experts' adapters cover every expert, and EP splits the experts; "
+        "set parallel.ep=1 (FSDP2 shards the experts) or model.lora_experts=false (LoRA on attention, the experts frozen and split)",
+    )
     if getattr(m, "n_experts", 0):  # models/moe.py: the multi-process pipeline carries its balancing loss (pipeline/balance.py)
         check(
             not p.stage_devices,

@@ -161,6 +161,7 @@ ROWS: tuple[Row, ...] = (
     Row("model.lora_alpha", "model.lora_rank > 0", _lora, refuse=FULL_FINE_TUNE),
     Row("model.lora_dropout", "model.lora_rank > 0", _lora, refuse=FULL_FINE_TUNE),
     Row("model.lora_targets", "model.lora_rank > 0", _lora, refuse=FULL_FINE_TUNE),
+    Row("model.lora_experts", "model.lora_rank > 0", _lora, refuse=FULL_FINE_TUNE),
     Row("train.beta1", "train.optimizer=adamw", lambda c: c.train.optimizer == "adamw"),
     Row("train.beta2", "train.optimizer=adamw", lambda c: c.train.optimizer == "adamw"),
     Row("train.weight_decay", "train.optimizer=adamw", lambda c: c.train.optimizer == "adamw"),

@@ -98,6 +98,7 @@ class HFConfig(ModelConfig):
     lora_targets: list[str] = opt(
         [], "LoRA: the modules to adapt, by name ([q_proj,v_proj]) or [all-linear]; []: peft's default for the architecture"
     )
+    lora_experts: bool = opt(False, "LoRA on a MoE's routed experts too: their fused weights, through peft's target_parameters")
 
     tasks = TASK_NAMES  # every task: the Auto class of model.task builds the model
 
@@ -106,7 +107,9 @@ class HFConfig(ModelConfig):
         return "pixel values" if self.task == "image-classification" else "token ids"
 
     # Keys that mean nothing for another model, and why: given with another model.name they are an error, not a notice.
-    exclusive = dict.fromkeys(("lora_rank", "lora_alpha", "lora_dropout", "lora_targets"), "LoRA adapts a pretrained Hugging Face model")
+    exclusive = dict.fromkeys(
+        ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "lora_experts"), "LoRA adapts a pretrained Hugging Face model"
+    )
 
     def check(self) -> None:
         check(bool(self.hf_path), "model.hf_path: give a local model folder or a Hub name, e.g. model.hf_path=Qwen/Qwen2.5-0.5B")

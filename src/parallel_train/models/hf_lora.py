@@ -1,11 +1,14 @@
 """LoRA adapters on a Hugging Face causal LM, through peft (model.lora_rank > 0).
 
     python train.py model.name=hf model.hf_path=FOLDER model.lora_rank=8 [model.lora_alpha=16 model.lora_dropout=0.05
-        model.lora_targets=[q_proj,v_proj] | [all-linear]]
+        model.lora_targets=[q_proj,v_proj] | [all-linear] model.lora_experts=true]
 
 `apply` injects peft's LoRA layers into the transformers model in place (`peft.inject_adapter_in_model`): each
 targeted Linear becomes a peft `lora.Linear` holding the frozen original as `base_layer` and two small trainable
-matrices, `lora_A.default` and `lora_B.default`. Every other weight is frozen, so the optimizer (built over the
+matrices, `lora_A.default` and `lora_B.default`. With model.lora_experts=true a mixture of experts' routed experts get
+adapters too: transformers fuses a layer's experts into 3-d parameters (`mlp.experts.gate_up_proj`, `down_proj`), which
+are no Linear, so peft adapts them by name (`target_parameters`, its `lora.ParamWrapper`: rank-r matrices per expert,
+held as one `lora_A.default`/`lora_B.default` pair, added to the weight during each forward). Every other weight is frozen, so the optimizer (built over the
 parameters that require a gradient, optim.py) holds the adapters only, and so do the checkpoints (models/hf.py
 keeps only adapter tensors in the model's state dict): a few MB with their optimizer state, whatever the size of
 the base model, which is read again from model.hf_path at every start. A checkpoint therefore names the base model
@@ -26,6 +29,7 @@ Tensor parallelism does not cut peft's layers here: parallel.tp is refused in on
 from __future__ import annotations
 
 import hashlib
+import re
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -34,6 +38,7 @@ from typing import Any
 from torch import nn
 
 from parallel_train.errors import UserError
+from parallel_train.models.hf_moe import is_routed_expert
 
 ADAPTER = "default"  # peft's adapter name: part of every adapter parameter's name (`lora_A.default.weight`)
 INSTALL = "pip install -r requirements-hf.txt"
@@ -47,13 +52,33 @@ def import_peft():
     return peft
 
 
-def lora_config(cfg: Any) -> Any:
-    """peft's LoraConfig from the model.lora_* keys (targets: peft's default for the architecture when empty)."""
+def lora_config(cfg: Any, hf: nn.Module) -> Any:
+    """peft's LoraConfig from the model.lora_* keys (targets: peft's default for the architecture when empty) for the
+    transformers model `hf` (whose fused experts model.lora_experts names)."""
     peft = import_peft()
     targets = list(cfg.lora_targets) or None
     if targets == ["all-linear"]:
         targets = "all-linear"  # peft's own shorthand: every Linear but the output layer
-    return peft.LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=targets)
+    experts = expert_parameters(hf, cfg) if getattr(cfg, "lora_experts", False) else None
+    return peft.LoraConfig(
+        r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=targets, target_parameters=experts
+    )
+
+
+def expert_parameters(hf: nn.Module, cfg: Any) -> list[str]:
+    """The routed experts' fused weights (3-d: experts x in x out), by the names peft matches (`experts.gate_up_proj`)."""
+    names = sorted({".".join(n.split(".")[-2:]) for n, p in hf.named_parameters() if is_routed_expert(n) and p.ndim == 3})
+    if not names:
+        raise UserError(
+            f"model.lora_experts: {cfg.hf_path!r} has no fused expert weights (3-d parameters of an `experts` module) for "
+            "peft to adapt; set model.lora_experts=false (LoRA on its Linear layers: model.lora_targets)"
+        )
+    if cfg.lora_dropout:
+        raise UserError(
+            f"model.lora_dropout={cfg.lora_dropout}: peft's LoRA on the experts' weights (model.lora_experts) has no dropout; "
+            "set model.lora_dropout=0"
+        )
+    return names
 
 
 def is_adapter(name: str) -> bool:
@@ -67,15 +92,15 @@ def apply(hf: nn.Module, cfg: Any) -> dict[str, str]:
     peft = import_peft()
     before = {name for name, _ in hf.named_parameters()}
     try:
-        peft.inject_adapter_in_model(lora_config(cfg), hf, adapter_name=ADAPTER)
+        peft.inject_adapter_in_model(lora_config(cfg, hf), hf, adapter_name=ADAPTER)
     except ValueError as e:  # peft's NoMatchingPeftModuleError, an architecture without a default, a bad key
         raise UserError(f"model.lora_targets: {_first_line(e)} {_linear_names(hf)}") from None
     _check_wrapped(hf, cfg)
     aliases = {}
     for name, p in hf.named_parameters():
         p.requires_grad_(is_adapter(name))
-        if ".base_layer." in name and name not in before:
-            aliases[name] = name.replace(".base_layer.", ".")
+        if ".base_layer." in name and name not in before:  # the experts' wrappers nest: experts.base_layer.base_layer.down_proj
+            aliases[name] = re.sub(r"(\.base_layer)+\.", ".", name)
     return aliases
 
 
@@ -85,9 +110,11 @@ def _check_wrapped(hf: nn.Module, cfg: Any) -> None:
     template's adapter handling (which parameters train, their keyed start, checkpoints, exports) covers lora_A and
     lora_B only: an embedding's adapters would stay frozen without a word, and targets matching only embeddings
     would train 0 parameters. Refused in one line naming the modules matched."""
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer, ParamWrapper
 
-    matched = {name: type(m.get_base_layer()).__name__ for name, m in hf.named_modules() if isinstance(m, LoraLayer)}
+    # model.lora_experts' wrappers (ParamWrapper) adapt parameters, not a layer: their lora_A and lora_B train alike
+    wrapped = (m for m in hf.named_modules() if isinstance(m[1], LoraLayer) and not isinstance(m[1], ParamWrapper))
+    matched = {name: type(m.get_base_layer()).__name__ for name, m in wrapped}
     unsupported = {name: kind for name, kind in matched.items() if kind not in ("Linear", "Conv1D")}
     if unsupported or not matched:
         found = ", ".join(f"{name} ({kind})" for name, kind in sorted((unsupported or matched).items())) or "no module"
@@ -180,7 +207,7 @@ def save_and_merge(base: nn.Module, cfg: Any, adapters: dict[str, Any], adapter_
     base.name_or_path = cfg.hf_path  # what adapter_config.json names as its base model
     with warnings.catch_warnings():  # peft asks transformers a deprecated question (is_gradient_checkpointing)
         warnings.simplefilter("ignore", FutureWarning)
-        wrapped = peft.get_peft_model(base, lora_config(cfg), adapter_name=ADAPTER)
+        wrapped = peft.get_peft_model(base, lora_config(cfg, base), adapter_name=ADAPTER)
     result = wrapped.base_model.model.load_state_dict(adapters, strict=False)
     missing = [k for k in result.missing_keys if is_adapter(k)]
     if missing or result.unexpected_keys:

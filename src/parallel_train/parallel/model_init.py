@@ -168,19 +168,21 @@ class PretrainedTensors:
                 self.where.update({k: (f, k) for k in handle.keys()})  # noqa: SIM118 (safe_open has no __iter__)
         # e.g. an untied lm_head whose first values are the embedding's (models/hf.py)
         self.where.update({alias: self.where[name] for alias, name in aliases.items() if name in self.where and alias not in self.where})
+        # e.g. LoRA's wrapped fused experts (models/hf_lora.py): experts.base_layer.down_proj is the converted experts.down_proj
+        self.renamed = {alias: name for alias, name in aliases.items() if name in self.converted and alias not in self.where}
         for name in fresh:  # not read: the files hold it in another shape (a head of another number of labels)
             self.where.pop(name, None)
         # {name: (its file and name there, the rows it gives)}: a head grown by new classes, read whole (it is small)
         self.grown = {name: (self.where.pop(name), rows) for name, rows in (grown or {}).items() if name in self.where}
 
     def __contains__(self, key: str) -> bool:
-        return key in self.where or key in self.converted
+        return key in self.where or key in self.converted or key in self.renamed
 
     def read(self, key: str, region: tuple[slice, ...] | None) -> torch.Tensor:
         from safetensors import safe_open
 
         if key not in self.where:
-            return self.converted.read(key, region)
+            return self.converted.read(self.renamed.get(key, key), region)
         path, key = self.where[key]
         with safe_open(str(path), framework="pt") as handle:
             return handle.get_tensor(key) if region is None else handle.get_slice(key)[region]
