@@ -73,6 +73,7 @@ def test_estimate_is_within_ten_percent_of_each_ranks_measured_peak(tmp_path, ce
         "ep2xfsdp2",
         "ep2xfsdp2-full",
         "hf-moe-fsdp2",
+        "hf-moe-ep2",
     ],
 )
 def test_more_layouts_are_within_ten_percent(tmp_path, cell_id):
@@ -80,7 +81,7 @@ def test_more_layouts_are_within_ten_percent(tmp_path, cell_id):
     pipeline stages (sequence and loss parallel there; GPT and a Hub Llama), LoRA, bf16 through the layers of tensor
     parallel and of pipeline stages (FSDP2's policy over one data-parallel rank), a BERT classifier on dict batches under FSDP2,
     context parallel (cp=2, cp=2 x dp_shard=2, cp=2 fully checkpointed), the GPT's experts under expert parallel (ep=2;
-    ep=2 x edp 2 over 4 processes, also fully checkpointed), a Hub Qwen3-MoE under FSDP2;
+    ep=2 x edp 2 over 4 processes, also fully checkpointed), a Hub Qwen3-MoE under FSDP2 and under ep=2;
     on the table's own models (the small one leaves a 4-stage rank a few MB, within the measurement's noise, and has
     too few layers for 4 ranks of two stages)."""
     folders = memory_matrix.write_folders(tmp_path / "models", [cell_id])

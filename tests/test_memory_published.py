@@ -20,7 +20,7 @@ import torch
 from parallel_train.config.load import load_config
 from parallel_train.data.sources import load_data
 from parallel_train.parallel.memory_estimate import _precision, estimate
-from parallel_train.parallel.mesh import MeshLayout, resolve_layout
+from parallel_train.parallel.mesh import resolve_layout
 from parallel_train.parallel.pipeline.in_flight import in_flight_bytes
 
 GIB = 2**30
@@ -111,9 +111,7 @@ def estimated_gib(row: str) -> float:
     folder = llama_folder(Path(tempfile.mkdtemp()), name, max(131072, cfg.model.block_size))
     cfg, _ = load_config([*COMMON, f"model.hf_path={folder}", *keys])
     data = load_data(cfg)
-    # A Hub model under parallel.cp: the mesh as given (a run refuses it until context parallel covers Hub models)
-    layout = MeshLayout(dp_shard=cfg.parallel.dp_shard, cp=cfg.parallel.cp) if cfg.parallel.cp > 1 else None
-    _, ranks = estimate(cfg, world, data.vocab_size, data.train_set[0], layout=layout)
+    _, ranks = estimate(cfg, world, data.vocab_size, data.train_set[0])
     return max(r.total() for r in ranks) / GIB  # torchtitan reports the largest over all GPUs
 
 

@@ -144,13 +144,7 @@ if [ "${MESH:-$([ "$DRY_RUN" = 0 ] && [ "$NGPU" -ge 2 ] && echo 1 || echo 0)}" =
           train.mixed_precision=bf16 train.compile=false eval.interval=0 eval.iters=1 checkpoint.interval=0 tracker=none
           resume=none "output_dir=$run_dir")
     "$PYTHON" scripts/estimate_memory.py --world "$n" --json "${args[@]}" > "$run_dir.estimate.json" 2> "$run_dir.estimate.log" || true
-    port=$("$PYTHON" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
-    echo "== mesh $name: $TORCHRUN --nproc-per-node $n train.py ${args[*]}"
-    if $TORCHRUN --nproc-per-node "$n" --master-port "$port" train.py "${args[@]}" > "$run_dir.log" 2>&1; then
-      echo "$name ok $n" >> "$OUT/mesh_cells.txt"
-    else
-      echo "$name failed $n" >> "$OUT/mesh_cells.txt"; FAILED=1; tail -5 "$run_dir.log" >&2
-    fi
+    CELLS="$OUT/mesh_cells.txt" torchrun_cell "$name" "$n" "$run_dir.log" "$n" "${args[@]}"
   done
   "$PYTHON" - "$OUT" "$DRY_RUN" <<'EOF2'
 import json, sys

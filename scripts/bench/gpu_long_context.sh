@@ -21,6 +21,8 @@ PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 TORCHRUN=${TORCHRUN:-$(dirname "$PY")/torchrun}
 [ -x "$TORCHRUN" ] || TORCHRUN="$PY -m torch.distributed.run"
+# shellcheck source=scripts/bench/gpu_common.sh
+source scripts/bench/gpu_common.sh  # torchrun_cell
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
 echo "== environment"
@@ -84,13 +86,7 @@ for cp in $CPS; do
           "train.max_steps=$STEPS" "train.lr_decay_steps=$STEPS" train.warmup_steps=1 train.log_interval=1
           eval.interval=0 eval.iters=1 checkpoint.interval=0 tracker=none resume=none "output_dir=$run_dir")
     [ "$DRY_RUN" = 1 ] && args+=(train.mixed_precision=no)
-    port=$("$PY" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
-    echo "== $cell: $TORCHRUN --nproc-per-node $cp train.py ${args[*]}"
-    if $TORCHRUN --nproc-per-node "$cp" --master-port "$port" train.py "${args[@]}" > "$run_dir.log" 2>&1; then
-      echo "$cell ok $cp $T" >> "$OUT/cells.txt"
-    else
-      echo "$cell failed $cp $T" >> "$OUT/cells.txt"; FAILED=1; tail -3 "$run_dir.log" >&2
-    fi
+    CELLS="$OUT/cells.txt" torchrun_cell "$cell" "$cp $T" "$run_dir.log" "$cp" "${args[@]}"
   done
 done
 

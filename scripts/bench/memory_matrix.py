@@ -105,6 +105,7 @@ def _cells() -> dict[str, Cell]:
     hf_moe = {"model": HF_MOE, "tiny": ("model.hf_path={moe_tiny}",)}
     cells["hf-moe-one"] = Cell(1, (), **hf_moe)
     cells["hf-moe-fsdp2"] = Cell(2, ("parallel.dp_shard=2",), **hf_moe)
+    cells["hf-moe-ep2"] = Cell(2, ("parallel.dp_shard=2", "parallel.ep=2"), **hf_moe)
     bert = {"model": CLASSIFIER, "tiny": ("model.hf_path={bert_tiny}",)}
     cells["bert-cls-one"] = Cell(1, (), **bert)
     cells["bert-cls-fsdp2"] = Cell(2, ("parallel.dp_shard=2",), **bert)

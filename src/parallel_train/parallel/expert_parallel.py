@@ -136,7 +136,9 @@ def shard_experts(model: nn.Module, mesh, ep: int) -> set[nn.Parameter]:
 def expert_numel(module: nn.Module) -> int:
     """Elements of the expert weights this rank holds by expert parallelism in `module` (FSDP2 never gathers them; the
     memory estimate leaves them out of its buffers); 0 without EP."""
-    return sum(p.to_local().numel() for m in module.modules() if isinstance(m, MoE) and m.exchange for p in expert_params(m))
+    gpt = sum(p.to_local().numel() for m in module.modules() if isinstance(m, MoE) and m.exchange for p in expert_params(m))
+    hub = (m for m in module.modules() if getattr(m, "held_by_expert_parallel", False))  # parallel/hf_expert_parallel.py
+    return gpt + sum(p.to_local().numel() for m in hub for p in m.parameters(recurse=False))
 
 
 def expert_params(m: MoE) -> list[nn.Parameter]:

@@ -120,4 +120,5 @@ def shard_hub_experts(model: nn.Module, mesh, ep: int) -> set[nn.Parameter]:
             m._parameters[name] = p
             held.add(p)
         m.forward = HubExpertExchange(m, group, ep, dp)
+        m.held_by_expert_parallel = True  # expert_parallel.expert_numel counts its weights as EP's, not FSDP2's
     return held
