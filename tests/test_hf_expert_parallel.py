@@ -18,7 +18,7 @@ from helpers import check, launch_env, run, warm_cmd
 from test_expert_parallel import train_records
 from test_moe import RUN, assert_same
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -106,7 +106,8 @@ def test_an_ep2_checkpoint_resumes_on_one_process_and_the_other_way_round(launch
 
 
 def test_ep_refuses_experts_it_cannot_split(tmp_path):
-    """In process: ep not dividing a Hub model's experts (or a model without any), in one line each."""
+    """In process: ep not dividing a Hub model's experts (or a model without any, or GPT-OSS's, whose experts carry
+    2-d biases), in one line each."""
     from types import SimpleNamespace
 
     from parallel_train.errors import UserError
@@ -120,6 +121,12 @@ def test_ep_refuses_experts_it_cannot_split(tmp_path):
         shard_hub_experts(model, None, 3)
     with pytest.raises(UserError, match="has no routed experts"):
         shard_hub_experts(SimpleNamespace(hf=torch.nn.Linear(2, 2)), None, 2)
+    oss = transformers.GptOssConfig(**hf_tiny.MOE_SIZES, num_key_value_heads=2, num_local_experts=4, head_dim=8)
+    oss_folder = hf_tiny.save_model(oss, tmp_path / "oss")
+    oss_cfg = HFConfig(name="hf", hf_path=str(oss_folder), block_size=16, hf_pretrained=False, attn_implementation="eager")
+    oss_model = HFModel(oss_cfg, hf_tiny.VOCAB)
+    with pytest.raises(UserError, match="experts are not the stacked 3-d weights expert parallelism cuts here"):
+        shard_hub_experts(oss_model, None, 2)
 
 
 @pytest.mark.parametrize("sizes", [{"parallel__tp": 2}, {"parallel__dp_replicate": 2}, {"parallel__pipeline_stages": 2}])

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel_train.errors import UserError
+from parallel_train.models.hf_moe import experts_and_top_k
 from parallel_train.parallel.expert_parallel import local_tensor, scale_grad
 
 
@@ -108,6 +109,12 @@ def shard_hub_experts(model: nn.Module, mesh, ep: int) -> set[nn.Parameter]:
     if ep == 1 or not hasattr(model, "hf"):
         return set()
     layers = hub_experts(model.hf)
+    config = getattr(model.hf, "config", None)
+    if not layers and config is not None and experts_and_top_k(config):  # a MoE whose experts are not all (experts, in, out) tensors
+        raise UserError(
+            f"parallel.ep={ep}: the Hugging Face model's experts are not the stacked 3-d weights expert parallelism cuts here "
+            "(GPT-OSS's carry 2-d biases); set parallel.ep=1 (FSDP2 shards its experts)"
+        )
     if not layers or layers[0].num_experts % ep:
         got = f"{layers[0].num_experts} routed experts per layer" if layers else "no routed experts"
         raise UserError(f"parallel.ep={ep}: the Hugging Face model has {got}; set parallel.ep to a divisor of its experts, or 1")
