@@ -84,6 +84,9 @@ LAUNCHES = {
     "ref4_micro": (1, ("model.n_layer=4", "train.batch_size=2", "train.gradient_accumulation_steps=4")),
     "interleaved": (2, (*STAGES4, "parallel.schedule=interleaved1f1b", "parallel.microbatches=2")),
     "zbv": (2, (*STAGES4, "parallel.schedule=zbv", "parallel.microbatches=4", "train.batch_size=8", "train.gradient_accumulation_steps=1")),
+    # the llama flavor's SwiGLU experts (a third stacked weight, gate) under ep=2 x tensor parallel 2
+    "llama_ref": (1, ("model.flavor=llama",)),
+    "llama_ep2_tp2": (4, ("model.flavor=llama", "train.batch_size=2", "parallel.ep=2", "parallel.tp=2")),
 }
 PIPELINES = [("pp2_1f1b", "ref_micro"), ("interleaved", "ref4_micro"), ("zbv", "ref4_micro")]  # -m slow
 # dp_replicate, dp_shard, tp, pp
@@ -124,6 +127,19 @@ def test_ep2_equals_one_process_with_the_balancing_loss_on(launched, name):
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5)
     mesh = json.loads((ep2 / "summary.json").read_text())["mesh"]
     assert (mesh["dp_replicate"], mesh["dp_shard"], mesh["tp"], mesh["pp"]) == MESH[name]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_the_llama_flavors_experts_under_ep2_x_tp2_equal_one_process(launched):
+    """SwiGLU experts (fc, proj and gate, each cut by expert over ep) inside a tensor-parallel model: losses, aux loss,
+    expert load and final weights as one process."""
+    ref, got = launched("llama_ref"), launched("llama_ep2_tp2")
+    assert_same(train_records(got), train_records(ref))
+    want, have = load_file(ref / "model.safetensors"), load_file(got / "model.safetensors")
+    assert sorted(have) == sorted(want) and any(k.endswith("mlp.gate") for k in want)
+    for key in want:
+        torch.testing.assert_close(have[key], want[key], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.multiprocess
