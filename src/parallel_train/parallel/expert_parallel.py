@@ -78,20 +78,26 @@ class ExpertExchange:
     def __call__(self, moe: MoE, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         from torch.distributed._functional_collectives import all_to_all_single_autograd as all_to_all
 
-        ep, local = self.ep, moe.n_experts // self.ep
-        got_counts = torch.empty_like(counts)
-        dist.all_to_all_single(got_counts, counts, group=self.group)  # [source rank, my expert] row counts
-        send = counts.view(ep, local).sum(dim=1).tolist()  # rows to each rank (host read: the split sizes)
-        got_by_rank = got_counts.view(ep, local)
-        recv = got_by_rank.sum(dim=1).tolist()
+        got_counts, send, recv, expert_of = split_sizes(counts, self.ep, self.group)
         got = all_to_all(rows, recv, send, self.group)  # differentiable: the backward sends the gradients back
         # Rows arrive by source rank, each rank's sorted by my experts: regroup them by expert (stable: sources in order).
-        expert_of = torch.arange(local, device=rows.device).repeat(ep).repeat_interleave(got_counts)
         order = torch.argsort(expert_of, stable=True)
         weights = [scale_grad(local_tensor(getattr(moe, n), rows.dtype), 1.0 / self.dp) for n in EXPERT_WEIGHTS]
-        out = moe.compute(got[order], got_by_rank.sum(dim=0), weights)
+        out = moe.compute(got[order], got_counts.view(self.ep, -1).sum(dim=0), weights)
         back = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
         return all_to_all(out[back], send, recv, self.group)
+
+
+def split_sizes(counts: torch.Tensor, ep: int, group) -> tuple[torch.Tensor, list[int], list[int], torch.Tensor]:
+    """Each rank's per-expert row counts (E,) exchanged over the ep group: the counts received ([source rank, my expert],
+    flat), the rows sent to each rank and received from each (host reads: the all-to-all's split sizes), and the local
+    expert of each received row, in arrival order. Shared by the GPT's exchange and a Hub MoE's (hf_expert_parallel.py)."""
+    local = len(counts) // ep
+    got = torch.empty_like(counts)
+    dist.all_to_all_single(got, counts, group=group)
+    send = counts.view(ep, local).sum(dim=1).tolist()
+    recv = got.view(ep, local).sum(dim=1).tolist()
+    return got, send, recv, torch.arange(local, device=counts.device).repeat(ep).repeat_interleave(got)
 
 
 def local_tensor(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

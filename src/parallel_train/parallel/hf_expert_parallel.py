@@ -25,12 +25,11 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from parallel_train.errors import UserError
 from parallel_train.models.hf_moe import experts_and_top_k
-from parallel_train.parallel.expert_parallel import local_tensor, scale_grad
+from parallel_train.parallel.expert_parallel import local_tensor, scale_grad, split_sizes
 
 
 def hub_experts(model: nn.Module) -> list[nn.Module]:
@@ -54,16 +53,12 @@ class HubExpertExchange:
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         from torch.distributed._functional_collectives import all_to_all_single_autograd as all_to_all
 
-        ep, local, k = self.ep, self.n // self.ep, top_k_index.shape[-1]
+        k = top_k_index.shape[-1]
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.n)
-        got_counts = torch.empty_like(counts)
-        dist.all_to_all_single(got_counts, counts, group=self.group)  # [source rank, my expert] row counts
-        send = counts.view(ep, local).sum(dim=1).tolist()
-        recv = got_counts.view(ep, local).sum(dim=1).tolist()
+        _, send, recv, expert_of = split_sizes(torch.bincount(flat, minlength=self.n), self.ep, self.group)
         got = all_to_all(hidden_states[order // k], recv, send, self.group)
-        ids = torch.arange(local, device=got.device).repeat(ep).repeat_interleave(got_counts).unsqueeze(-1)
+        ids = expert_of.unsqueeze(-1)
         with self.local_experts(got.dtype) as weights:
             out = self.forward(got, ids, torch.ones(ids.shape, dtype=got.dtype, device=got.device))
         # A rank whose experts got no rows (or missed one) still runs every backward collective, as its peers do: the
